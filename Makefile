@@ -1,0 +1,34 @@
+# `make demo` and `make test` each build the virtual environment from nothing, then run.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.prunetool-installed
+# torch first, pinned to the CPU build this machine carries, so no multi-GB CUDA wheel is pulled.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/prunetool models
+	$(BIN)/prunetool score smollm2-135m --output demo-scores.json
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python bench/score_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache demo-scores.json

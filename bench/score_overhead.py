@@ -1,0 +1,57 @@
+"""Whole-process time of `prunetool score` against a plain load-and-forward script on the same windows.
+
+Run: .venv/bin/python bench/score_overhead.py [--model smollm2-135m] [--samples 16] [--seq-len 512] [--repeats 3]
+Each repeat runs the three commands in turn (so drift in machine load hits all alike); the median is reported.
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "wikitext2-test.raw"
+
+
+def timed(command: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--text", default=str(DEFAULT_TEXT))
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from prunetool.sources import resolve_model
+
+    model_dir = str(resolve_model(args.model).path)  # converts once; not part of any timing
+    prunetool = [sys.executable, "-m", "prunetool", "score", args.model, "--calib", args.text,
+                 "--seq-len", str(args.seq_len), "--samples", str(args.samples), "--json"]
+    plain = [sys.executable, str(ROOT / "bench" / "plain_forward.py"), model_dir, args.text,
+             str(args.seq_len), str(args.samples)]
+    commands = {"prunetool score": prunetool, "plain forward (CausalLM)": plain + ["full"],
+                "plain forward (decoder only)": plain + ["decoder"]}
+    times = {name: [] for name in commands}
+    timed(plain + ["full"])  # warm the page cache so the first timed run is not penalised
+    for _ in range(args.repeats):
+        for name, command in commands.items():
+            times[name].append(timed(command))
+    base = statistics.median(times["plain forward (CausalLM)"])
+    print(f"model {args.model}, {args.samples} windows x {args.seq_len} tokens, {args.repeats} repeats (median s)")
+    print("| command | median s | runs | ratio to plain CausalLM |")
+    print("|---|---|---|---|")
+    for name, values in times.items():
+        runs = ", ".join(f"{value:.1f}" for value in values)
+        print(f"| {name} | {statistics.median(values):.1f} | {runs} | {statistics.median(values) / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from prunetool.cli import main
+
+main()

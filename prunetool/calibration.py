@@ -1,0 +1,381 @@
+"""Calibration text -> token windows.
+
+Every source form (text file, .jsonl, hf: dataset, preset, or text the model generates itself) becomes
+one token stream, and `make_windows` cuts the windows from it with a rule simple enough to redo by hand
+(docs/calibration.md). Scores are only comparable when the windows are, so the rule is the contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import socket
+import sys
+import time
+import tomllib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from prunetool.errors import CalibrationError, OptionError
+from prunetool.paths import calibration_cache_dir, presets_dir
+
+SEED = 0
+LADDER_START = 8192  # generated sizes 8192, 32768, 131072, ... tokens: one cached file serves many requests
+GEN_MARGIN = 1.125  # generate 12.5% beyond the rung: re-tokenizing decoded text can come out a little shorter
+GEN_BATCH = 32  # the 32 shipped prompts go in one batch; fewer, longer forward passes are faster on CPU
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+class _TooShort(CalibrationError):
+    """Too few tokens; private so the generated source can retry a bigger cache file."""
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    source: str
+    sha256: str
+    seq_len: int
+    stride: int
+    input_ids: torch.Tensor  # int64 [windows, seq_len]
+
+    @property
+    def windows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return self.windows * self.seq_len
+
+    def describe(self) -> dict:
+        """What a run report needs to say which text the scores came from."""
+        return {"source": self.source, "sha256": self.sha256, "seq_len": self.seq_len,
+                "stride": self.stride, "windows": self.windows, "tokens": self.tokens}
+
+
+@dataclass(frozen=True)
+class _Request:
+    seq_len: int
+    stride: int
+    samples: int
+
+    @property
+    def needed(self) -> int:
+        return (self.samples - 1) * self.stride + self.seq_len
+
+
+def _check_options(seq_len: int, stride: int, samples: int) -> None:
+    for flag, value in (("--seq-len", seq_len), ("--stride", stride), ("--samples", samples)):
+        if value < 1:
+            raise OptionError(f"{flag} must be at least 1, got {value}")
+
+
+def make_windows(ids, *, seq_len: int, stride: int, samples: int) -> torch.Tensor:
+    """Window k is tokens [k*stride, k*stride + seq_len) of the stream; full windows only, the first `samples`.
+
+    Kept pure and this small so that a user holding the token stream can check any window by hand.
+    """
+    _check_options(seq_len, stride, samples)
+    stream = torch.as_tensor(ids, dtype=torch.long)
+    if stream.dim() != 1:
+        raise ValueError(f"make_windows wants a 1-D token stream, got shape {tuple(stream.shape)}")
+    needed = (samples - 1) * stride + seq_len
+    if stream.numel() < needed:
+        raise _TooShort(
+            f"calibration text is too short: {stream.numel()} tokens available, {needed} needed "
+            f"((samples-1)*stride + seq_len for {samples} windows of {seq_len} at stride {stride}); "
+            "lower --samples, --seq-len or --stride, or give more text")
+    return stream.unfold(0, seq_len, stride)[:samples].clone()
+
+
+def _finish(stream: list[int], source: str, sha256: str, req: _Request) -> CalibrationSet:
+    try:
+        ids = make_windows(stream, seq_len=req.seq_len, stride=req.stride, samples=req.samples)
+    except _TooShort as exc:
+        raise _TooShort(f"{source}: {exc}") from None
+    return CalibrationSet(source, sha256, req.seq_len, req.stride, ids)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """No BOS/EOS: the stream is plain text; verbose=False stops the 'longer than maximum' warning."""
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def _join_documents(tokenizer, docs, needed: int) -> tuple[list[int], list[str], bool]:
+    """Tokenize documents one by one, EOS between them (not after the last), until `needed` tokens exist.
+
+    Documents are tokenized independently, so stopping early gives exactly the prefix a full pass would.
+    Empty documents are skipped (no tokens, no separator). Without an EOS token, "\\n\\n" (tokenized on
+    its own) is the separator instead; the returned flag says so.
+    """
+    eos = tokenizer.eos_token_id
+    sep = [eos] if eos is not None else _encode(tokenizer, "\n\n")
+    stream: list[int] = []
+    used: list[str] = []
+    for doc in docs:
+        if not doc:
+            continue
+        if used:
+            stream.extend(sep)
+        stream.extend(_encode(tokenizer, doc))
+        used.append(doc)
+        if len(stream) >= needed:
+            break
+    return stream, used, eos is None
+
+
+def _read_text(path: Path) -> tuple[bytes, str]:
+    if not path.exists():
+        raise CalibrationError(f"calibration file {path} does not exist")
+    if path.is_dir():
+        raise CalibrationError(f"calibration file {path} is a directory; give a text or .jsonl file")
+    data = path.read_bytes()
+    try:
+        if b"\x00" in data:
+            raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CalibrationError(f"calibration file {path} is not UTF-8 text (binary?)") from None
+    if not text.strip():
+        raise CalibrationError(f"calibration file {path} is empty")
+    return data, text
+
+
+def _jsonl_texts(path: Path, text: str) -> list[str]:
+    """Validate every line up front: a broken line should fail now, not only when a bigger run reaches it."""
+    texts = []
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside a string
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"calibration file {path} line {lineno} is not valid JSON ({exc.msg}); "
+                                   'each line must be one object with a string field "text"') from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise CalibrationError(f'calibration file {path} line {lineno} has no string field "text"')
+        texts.append(obj["text"])
+    if not any(texts):
+        raise CalibrationError(f'calibration file {path} has no document with non-empty "text"')
+    return texts
+
+
+def _load_file(path: Path, tokenizer, req: _Request, source: str | None = None) -> CalibrationSet:
+    path = path.resolve()
+    data, text = _read_text(path)
+    sha = hashlib.sha256(data).hexdigest()
+    source = source or str(path)
+    if path.suffix.lower() != ".jsonl":
+        return _finish(_encode(tokenizer, text), source, sha, req)
+    stream, _, no_eos = _join_documents(tokenizer, _jsonl_texts(path, text), req.needed)
+    if no_eos:
+        source += ' (documents joined by "\\n\\n": the tokenizer has no EOS token)'
+    return _finish(stream, source, sha, req)
+
+
+# ---------------------------------------------------------------- hf: datasets and presets
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str, str]:
+    """hf:DATASET[:CONFIG][:SPLIT][:FIELD] -> (dataset, config or None, split, field); empty parts take defaults."""
+    parts = spec[len("hf:"):].split(":")
+    if not parts[0] or len(parts) > 4:
+        raise CalibrationError(f"bad calibration source {spec!r}: expected hf:DATASET[:CONFIG][:SPLIT][:FIELD]")
+    name, config, split, field = parts + [""] * (4 - len(parts))
+    return name, config or None, split or "train", field or "text"
+
+
+def load_presets() -> dict[str, dict]:
+    """Named sources from calibration/presets.toml: {name: {spec, description, citation, url}}."""
+    with (presets_dir() / "presets.toml").open("rb") as fh:
+        return tomllib.load(fh)
+
+
+def _check_hub_reachable(label: str) -> None:
+    """Fail in milliseconds, not after datasets' ~25 s of retries, when the Hub cannot be reached.
+
+    Behind a proxy a direct probe proves nothing, so then we rely on the Hub client's own timeouts.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        raise CalibrationError(f"{label} needs the Hugging Face Hub but HF_HUB_OFFLINE is set; "
+                               "save the text to a file and pass its path instead")
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise CalibrationError(f"{label} needs the Hugging Face Hub, but {url.hostname} cannot be reached "
+                               f"({exc.strerror or exc}); save the text to a file and pass its path instead") from None
+
+
+def _hf_texts(name: str, config: str | None, split: str, field: str, label: str):
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(name, config, split=split, streaming=True)
+        for row in rows:
+            if field not in row:
+                raise CalibrationError(f"{label}: rows have no field {field!r} (fields: {', '.join(row)})")
+            if not isinstance(row[field], str):
+                raise CalibrationError(f"{label}: field {field!r} is not text")
+            yield row[field]
+    except CalibrationError:
+        raise
+    except Exception as exc:  # datasets raises many types (hub, split, config, network); the user needs one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CalibrationError(f"{label} could not be read: {first}") from None
+
+
+def _load_hf(spec: str, tokenizer, req: _Request, preset: str | None = None) -> CalibrationSet:
+    """sha256 covers the documents used, joined by "\\n\\n": a stream has no file to hash."""
+    name, config, split, field = parse_hf_spec(spec)
+    source = f"hf:{name}:{config or ''}:{split}:{field}" + (f" (preset {preset})" if preset else "")
+    _check_hub_reachable(source)
+    stream, used, no_eos = _join_documents(tokenizer, _hf_texts(name, config, split, field, source), req.needed)
+    if no_eos:
+        source += ' (documents joined by "\\n\\n": the tokenizer has no EOS token)'
+    sha = hashlib.sha256("\n\n".join(used).encode("utf-8")).hexdigest()
+    return _finish(stream, source, sha, req)
+
+
+# ---------------------------------------------------------------- the offline default: the model's own text
+
+def self_prompts() -> list[str]:
+    """Team-written opening lines (calibration/self_prompts.txt): one per line, a literal \\n is a line break."""
+    lines = (presets_dir() / "self_prompts.txt").read_text(encoding="utf-8").split("\n")
+    return [line.rstrip().replace("\\n", "\n") for line in lines if line.strip()]
+
+
+def self_cache_path(model_key: str, rung: int) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_key.replace("/", "--"))
+    return calibration_cache_dir() / f"{safe}-self-seed{SEED}-{rung}.jsonl"
+
+
+def _rungs(needed: int) -> list[int]:
+    rung = LADDER_START
+    while rung < needed:
+        rung *= 4
+    return [rung, rung * 4]
+
+
+@contextmanager
+def _progress(total: int, label: str):
+    """A transient bar on stderr: stdout stays clean for piping, and nothing lingers after the run."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+class _Tick:
+    """A pass-through logits processor: the one hook generate() calls once per step, batched."""
+
+    def __init__(self, tick):
+        self.tick = tick
+
+    def __call__(self, input_ids, scores):
+        self.tick(int(input_ids.shape[0]))
+        return scores
+
+
+def _generate_batch(model, tokenizer, prompts: list[str], new_tokens: int, tick) -> list[str]:
+    """Left-padded by hand so the caller's tokenizer is not mutated (it may have no pad token)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    eos = tokenizer.eos_token_id
+    pad = next((t for t in (tokenizer.pad_token_id, eos, 0) if t is not None))
+    encoded = [tokenizer(p)["input_ids"] for p in prompts]  # special tokens as the model expects a text to start
+    encoded = [e[:-1] if len(e) > 1 and e[-1] == eos else e for e in encoded]  # but never end the prompt
+    width = max(map(len, encoded))
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, enc in enumerate(encoded):
+        ids[row, width - len(enc):] = torch.tensor(enc)
+        mask[row, width - len(enc):] = 1
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=0.95, top_k=0, num_beams=1,
+                              repetition_penalty=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=pad, eos_token_id=eos)  # min_new_tokens: exact, predictable size
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             generation_config=config, logits_processor=LogitsProcessorList([_Tick(tick)]))
+    return [tokenizer.decode(row[width - len(enc):], skip_special_tokens=True)
+            for row, enc in zip(out.tolist(), encoded)]
+
+
+def generate_self_text(model, tokenizer, path: Path, rung: int, label: str) -> None:
+    """Sample continuations of the shipped prompts with seed 0 and write them as JSONL (temp file, then rename)."""
+    prompts = self_prompts()
+    new_tokens = math.ceil(rung * GEN_MARGIN / len(prompts))
+    device = torch.device(model.device)
+    start = time.monotonic()
+    with _progress(len(prompts) * new_tokens, f"generating calibration text with {label}") as tick, \
+            torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(SEED)
+        docs = []
+        for first in range(0, len(prompts), GEN_BATCH):
+            docs += _generate_batch(model, tokenizer, prompts[first:first + GEN_BATCH], new_tokens, tick)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"generated calibration text in {time.monotonic() - start:.0f}s: {path}", file=sys.stderr)
+
+
+def _load_generated(tokenizer, model, model_key: str | None, req: _Request) -> CalibrationSet:
+    """Reuse a cached file that is long enough; otherwise generate the smallest rung that covers the request."""
+    if model is None or not model_key:
+        raise CalibrationError("the default calibration text is generated by the model, so it needs the model "
+                               "and its key; or pass a text file, a .jsonl file, hf:DATASET or a preset")
+    last: CalibrationError | None = None
+    for may_generate in (False, True):
+        for rung in _rungs(req.needed):
+            path = self_cache_path(model_key, rung)
+            if not path.exists():
+                if not may_generate:
+                    continue
+                generate_self_text(model, tokenizer, path, rung, model_key)
+            try:
+                return _load_file(path, tokenizer, req, f"{path} (generated by {model_key}, seed {SEED})")
+            except _TooShort as exc:
+                last = exc
+    raise last
+
+
+def load_calibration(spec: str | None, tokenizer, *, seq_len: int = 512, stride: int | None = None,
+                     samples: int = 16, model=None, model_key: str | None = None) -> CalibrationSet:
+    """Resolve `spec` (None/"self", hf:..., an existing file, or a preset name) and cut the windows."""
+    stride = seq_len if stride is None else stride
+    _check_options(seq_len, stride, samples)
+    req = _Request(seq_len, stride, samples)
+    if spec is not None and not spec.strip():
+        raise CalibrationError("the calibration source is an empty string; omit it to use generated text")
+    if spec is None or spec == "self":
+        return _load_generated(tokenizer, model, model_key, req)
+    if spec.startswith("hf:"):
+        return _load_hf(spec, tokenizer, req)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _load_file(path, tokenizer, req)
+    presets = load_presets()
+    if spec in presets:
+        return _load_hf(presets[spec]["spec"], tokenizer, req, preset=spec)
+    if "/" in spec or os.sep in spec or path.suffix:
+        raise CalibrationError(f"calibration file {path.resolve()} does not exist")
+    raise CalibrationError(f"unknown calibration source {spec!r}: no such file, and not a preset "
+                           f"({', '.join(sorted(presets))}) or hf:DATASET[:CONFIG][:SPLIT][:FIELD]")

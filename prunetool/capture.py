@@ -1,0 +1,111 @@
+"""Forward hooks that reduce each layer's queries and hidden states to scores as the model runs.
+
+Three taps per decoder layer, installed by `capture_scores` and always removed on exit:
+- the query projection's output (pre-RoPE, before any q_norm): per-head self-similarity and lag-1;
+- the attention kernel's `query` argument (after q_norm and RoPE), by wrapping the active attention
+  function in transformers' attention registry: per-head self-similarity;
+- the decoder layer's input and output: Block Influence, and the last token's input for the angular
+  distance matrix.
+Each hook keeps only (B, H) or (B, d) results, never (T, T) matrices or whole hidden states.
+"""
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from prunetool.architecture import DecoderLayout
+from prunetool.errors import UnsupportedModelError
+from prunetool.metrics import block_influence_per_window, mean_consecutive_cosine, mean_pairwise_cosine
+
+
+@dataclass
+class LayerTaps:
+    """Per-batch results for one layer, in the order the batches ran."""
+
+    q_pre: list = field(default_factory=list)  # (B, H) each
+    q_post: list = field(default_factory=list)  # (B, H)
+    q_lag1: list = field(default_factory=list)  # (B, H)
+    block_influence: list = field(default_factory=list)  # (B,)
+    last_input: list = field(default_factory=list)  # (B, d)
+    last_output: list = field(default_factory=list)  # (B, d)
+
+
+def _hidden_from(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _output_tensor(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def _query_hook(taps: LayerTaps, layout: DecoderLayout):
+    def hook(_module, _inputs, output):
+        batch, tokens, _ = output.shape
+        q = output[..., : layout.query_width].view(batch, tokens, layout.num_heads, layout.head_dim)
+        q = q.transpose(1, 2)  # (B, H, T, D)
+        taps.q_pre.append(mean_pairwise_cosine(q).cpu())
+        taps.q_lag1.append(mean_consecutive_cosine(q).cpu())
+
+    return hook
+
+
+def _layer_hooks(taps: LayerTaps, pending: dict):
+    def pre_hook(module, args, kwargs):
+        pending[module] = _hidden_from(args, kwargs)
+
+    def post_hook(module, args, kwargs, output):
+        layer_in, layer_out = pending.pop(module), _output_tensor(output)
+        taps.block_influence.append(block_influence_per_window(layer_in, layer_out).cpu())
+        taps.last_input.append(layer_in[:, -1, :].float().cpu())
+        taps.last_output.append(layer_out[:, -1, :].float().cpu())
+
+    return pre_hook, post_hook
+
+
+def _attention_wrapper(implementation: str, taps_by_module: dict):
+    """Wrap the registered attention function so the post-RoPE query passes through our reduction."""
+    original = None if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+
+    def wrapper(module, query, key, value, attention_mask, **kwargs):
+        taps = taps_by_module.get(module)
+        if taps is not None:
+            taps.q_post.append(mean_pairwise_cosine(query).cpu())  # query: (B, H, T, D)
+        function = original or sys.modules[type(module).__module__].eager_attention_forward
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    return wrapper
+
+
+@contextmanager
+def capture_scores(layout: DecoderLayout):
+    """Install the taps for every layer; yields one LayerTaps per layer."""
+    taps = [LayerTaps() for _ in range(layout.num_layers)]
+    pending: dict = {}
+    handles = []
+    for layer, projection, layer_taps in zip(layout.layers, layout.query_projections, taps):
+        handles.append(projection.register_forward_hook(_query_hook(layer_taps, layout)))
+        pre_hook, post_hook = _layer_hooks(layer_taps, pending)
+        handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
+    implementation = layout.attentions[0].config._attn_implementation or "eager"
+    ALL_ATTENTION_FUNCTIONS[implementation] = _attention_wrapper(implementation, dict(zip(layout.attentions, taps)))
+    try:
+        yield taps
+    finally:
+        for handle in handles:
+            handle.remove()
+        del ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def check_complete(taps: list[LayerTaps], batches: int) -> None:
+    """Every tap must have fired once per batch; otherwise the model bypassed a hook and scores would lie."""
+    for index, layer_taps in enumerate(taps):
+        for name in ("q_pre", "q_post", "block_influence"):
+            if len(getattr(layer_taps, name)) != batches:
+                raise UnsupportedModelError(
+                    f"unsupported architecture: layer {index} did not pass its {name.replace('_', ' ')} "
+                    f"through the capture hooks ({len(getattr(layer_taps, name))} of {batches} batches)"
+                )

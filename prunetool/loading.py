@@ -1,0 +1,72 @@
+"""A resolved model folder -> (model, tokenizer) in eval mode on the requested device and dtype."""
+
+import contextlib
+import io
+
+import torch
+
+from prunetool.errors import ModelSourceError, OptionError
+from prunetool.sources import ModelSource
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device: str) -> torch.device:
+    """`auto` takes CUDA, then MPS, then the CPU."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as error:
+        raise OptionError(f"--device {device!r} is not a torch device (try auto, cpu, cuda, cuda:1, mps)") from error
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise OptionError(f"--device {device}: CUDA is not available on this machine")
+    return chosen
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on the CPU (bf16 matmuls there are slow and lossy) and bfloat16 on accelerators."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise OptionError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Keep transformers' load-time chatter (progress bars, advisory warnings) off the user's terminal."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logging.set_verbosity(level)
+        logging.enable_progress_bar()
+
+
+def load_model(source: ModelSource, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
+    """Load the causal LM and its tokenizer; any loader failure becomes a one-line ModelSourceError."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = pick_device(device)
+    torch_dtype = pick_dtype(dtype, target)
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            )
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelSourceError(f"cannot load {source.spec} from {source.path}: {reason}") from error
+    model.eval().to(target)
+    return model, tokenizer

@@ -1,0 +1,57 @@
+"""The stages wired together for the CLI: source -> model -> calibration -> scores -> current run."""
+
+import hashlib
+import re
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from prunetool.architecture import inspect_decoder
+from prunetool.calibration import load_calibration
+from prunetool.loading import load_model
+from prunetool.runs import record_current_run
+from prunetool.scoring import Scores, score_model
+from prunetool.sources import resolve_model
+
+
+def model_key(source) -> str:
+    """A filesystem-safe, stable name for caches derived from a model (e.g. its generated calibration text)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(source.spec).name or source.spec).strip("-")[:48] or "model"
+    return f"{stem}-{hashlib.sha1(str(Path(source.path).resolve()).encode()).hexdigest()[:8]}"
+
+
+def window_progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=console, transient=True,
+    )
+
+
+def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_size, trust_remote_code,
+              console: Console) -> tuple[Scores, dict]:
+    """Score a model end to end and record it as the current run; returns the scores and stage timings."""
+    timings = {}
+    clock = time.perf_counter()
+    source = resolve_model(spec, trust_remote_code=trust_remote_code)
+    model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    layout = inspect_decoder(model)  # refuse unsupported models before any calibration work
+    if not layout.tested:
+        console.print(f"[yellow]warning:[/] model_type '{layout.model_type}' is not in prunetool's tested set; "
+                      "its layout matched the generic rule", highlight=False)
+    timings["load"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=stride, samples=samples,
+                                   model=model, model_key=model_key(source))
+    timings["calibration"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    with window_progress(console) as progress:
+        task = progress.add_task("scoring windows", total=calibration.windows)
+        scores = score_model(model, calibration, model_name=source.spec, batch_size=batch_size,
+                             on_batch=lambda n: progress.advance(task, n))
+    timings["score"] = time.perf_counter() - clock
+    options = {"calib": calib, "seq_len": seq_len, "stride": calibration.stride, "samples": samples,
+               "dtype": dtype, "device": device, "batch_size": batch_size}
+    record_current_run(source.spec, source.path, scores.to_json(), options)
+    return scores, timings
