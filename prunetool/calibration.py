@@ -27,7 +27,7 @@ from prunetool.errors import CalibrationError, OptionError
 from prunetool.paths import calibration_cache_dir, presets_dir
 
 SEED = 0
-LADDER_START = 8192  # generated sizes 8192, 32768, 131072, ... tokens: one cached file serves many requests
+LADDER_START = 12288  # generated sizes 12288, 49152, ... tokens: covers the default 16 scored + 4 held-out windows of 512
 GEN_MARGIN = 1.125  # generate 12.5% beyond the rung: re-tokenizing decoded text can come out a little shorter
 GEN_BATCH = 32  # the 32 shipped prompts go in one batch; fewer, longer forward passes are faster on CPU
 HUB_PROBE_TIMEOUT_S = 5.0

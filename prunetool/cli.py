@@ -176,6 +176,57 @@ def score(
         err.print(f"scores written to {output}", highlight=False)
 
 
+@app.command()
+@handle_errors
+def prune(
+    model: ModelArg = None,
+    drop: Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers, chosen by --criterion.")] = None,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="Remove exactly these layers: 0-based original indices, e.g. 3,7,12.")] = None,
+    criterion: Annotated[str, typer.Option("--criterion", help="qsim, tappa, bi, angular, last or ppl (see docs/pruning.md).")] = "tappa",
+    beta: Annotated[float, typer.Option("--beta", help="TAPPA's weight on (1 - minmax(q-similarity)).")] = 0.3,
+    scores: Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score --output`.")] = None,
+    calib: CalibOpt = None,
+    seq_len: SeqLenOpt = 512,
+    stride: StrideOpt = None,
+    samples: SamplesOpt = 16,
+    protect_first: Annotated[int, typer.Option("--protect-first", help="Never remove the first K layers.")] = 0,
+    protect_last: Annotated[int, typer.Option("--protect-last", help="Never remove the last K layers.")] = 0,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Folder to write (default ./NAME-pruned-N).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder (never the source).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show which layers would go and why; write nothing.")] = False,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload, decode with and without cache, measure perplexity.")] = True,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    batch_size: BatchOpt = 1,
+    json_out: JsonOpt = False,
+    trust_remote_code: TrustOpt = False,
+):
+    """Remove decoder layers and write a loadable safetensors checkpoint (0-based original indices throughout)."""
+    require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size)
+    if drop is not None and drop < 1:
+        raise OptionError(f"--drop must be at least 1, got {drop}")
+    from prunetool.pruning import PruneRequest, run_prune
+    from prunetool.report import perplexity_table, plan_table
+
+    request = PruneRequest(model, drop, layers, criterion, beta, scores, calib, seq_len, stride, samples,
+                           protect_first, protect_last, output, force, dry_run, verify, dtype, device,
+                           batch_size, trust_remote_code)
+    result = run_prune(request, err)
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    plan = result["plan"]
+    if dry_run:
+        out.print(plan_table(plan))
+        out.print("dry run: nothing written", highlight=False)
+        return
+    if result["perplexity"]:
+        out.print(perplexity_table(result["perplexity"], plan["num_layers"], len(plan["kept"])))
+    checked = "verified (reload, layer count, cached = uncached decoding, perplexity)" if verify else "not verified"
+    out.print(f"wrote {result['output']}: removed layers {plan['removed']} (0-based original indices); {checked}",
+              highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     """Console entry point; `--debug` is accepted anywhere on the line."""
     argv = sys.argv[1:]

@@ -19,3 +19,7 @@ class CalibrationError(PrunetoolError):
 
 class OptionError(PrunetoolError):
     """An option value is out of range or inconsistent with another."""
+
+
+class VerificationError(PrunetoolError):
+    """A written checkpoint failed its check (reload, layer count, cached generation, perplexity)."""

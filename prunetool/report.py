@@ -50,3 +50,36 @@ def scores_table(scores, marked: set[int], importance: list[float]) -> Table:
         cells.append(Text("drop", style="bold red") if index in marked else Text(""))
         table.add_row(*cells)
     return table
+
+
+def plan_table(plan: dict) -> Table:
+    """The --dry-run view: each original layer, the criterion's value, its new index, and whether it goes."""
+    values = plan.get("criterion_values")
+    removed = set(plan["removed"])
+    table = Table(title=f"{plan['criterion']}: remove {len(removed)} of {plan['num_layers']} layers\n"
+                        "(0-based original indices)", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("layer", justify="right")
+    if values:
+        table.add_column("value", justify="right")
+    table.add_column("new index", justify="right")
+    table.add_column("")
+    index_map = plan["index_map"]
+    for index in range(plan["num_layers"]):
+        cells = [str(index)]
+        if values:
+            cells.append("" if values[index] is None else f"{values[index]:.4f}")
+        cells.append("" if index in removed else str(index_map[str(index)]))
+        cells.append(Text("remove", style="bold red") if index in removed else Text(""))
+        table.add_row(*cells)
+    return table
+
+
+def perplexity_table(perplexity: dict, base_layers: int, kept_layers: int) -> Table:
+    """Base against pruned on held-out text; the caption says which text."""
+    table = Table(title="held-out perplexity", title_justify="left", box=box.SIMPLE_HEAD,
+                  caption=perplexity["description"], caption_justify="left")
+    for column in ("model", "layers", "perplexity"):
+        table.add_column(column, justify="right" if column != "model" else "left")
+    table.add_row("base", str(base_layers), f"{perplexity['before']:.3f}")
+    table.add_row("pruned", str(kept_layers), f"{perplexity['after']:.3f}")
+    return table

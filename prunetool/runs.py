@@ -28,11 +28,20 @@ def current_run_path() -> Path:
     return runs_dir() / "current.json"
 
 
-def record_current_run(model_spec: str, model_path: Path, scores: dict, options: dict) -> Path:
-    """Remember the model and its scores; `prune` with no MODEL starts from here."""
-    record = {"model": model_spec, "model_path": str(model_path), "options": options, "scores": scores}
+def record_current_run(model_spec: str, model_path: Path, scores: dict | None, options: dict,
+                       pruned: dict | None = None) -> Path:
+    """Remember the model, its scores and (after `prune`) the pruned folder; later commands start from here."""
+    record = {"model": model_spec, "model_path": str(model_path), "options": options, "scores": scores,
+              "pruned": pruned}
     write_json_atomic(current_run_path(), record)
     return current_run_path()
+
+
+def mark_pruned(pruned: dict) -> None:
+    """Add the pruned model to the current run, so `eval` with no MODEL compares it with its base."""
+    record = load_current_run()
+    record["pruned"] = pruned
+    write_json_atomic(current_run_path(), record)
 
 
 def load_current_run() -> dict:

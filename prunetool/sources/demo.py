@@ -46,6 +46,7 @@ class DemoSpec:
     num_layers: int
     architecture: str
     quantization: str
+    hub_id: str  # the original release the GGUF was made from (model cards name it as base_model)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ DEMO_MODELS: dict[str, DemoSpec] = {
             num_layers=30,
             architecture="llama",
             quantization="Q4_1",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         DemoSpec(
             name="gemma3-270m",
@@ -93,6 +95,7 @@ DEMO_MODELS: dict[str, DemoSpec] = {
             num_layers=18,
             architecture="gemma3",
             quantization="Q4_K_M",
+            hub_id="google/gemma-3-270m",
         ),
     )
 }

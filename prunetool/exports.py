@@ -1,0 +1,101 @@
+"""Files written beside the pruned weights: the plan record, a model card, and the same cut for other tools.
+
+mergekit's passthrough merge and llama.cpp's `llama-quantize --prune-layers` can reproduce the cut from
+these, so users of those tools need not trust prunetool's writer.
+"""
+
+import json
+import time
+
+from prunetool import __version__
+from prunetool.plan import PrunePlan
+
+
+def kept_ranges(plan: PrunePlan) -> list[tuple[int, int]]:
+    """Contiguous runs of kept layers as half-open [start, end) ranges of original indices."""
+    ranges: list[tuple[int, int]] = []
+    for index in plan.kept:
+        if ranges and ranges[-1][1] == index:
+            ranges[-1] = (ranges[-1][0], index + 1)
+        else:
+            ranges.append((index, index + 1))
+    return ranges
+
+
+def mergekit_yaml(plan: PrunePlan, base_model: str, dtype: str | None) -> str:
+    """A mergekit passthrough config whose slices keep exactly the kept layers (layer_range ends are exclusive)."""
+    lines = [
+        f"# The same cut as prunetool: removes original layers {list(plan.removed)} (0-based).",
+        "# Run: mergekit-yaml mergekit.yaml OUTPUT_DIR",
+        "merge_method: passthrough",
+    ]
+    if dtype:
+        lines.append(f"dtype: {dtype}")
+    lines.append("slices:")
+    for start, end in kept_ranges(plan):
+        lines += ["  - sources:", f"      - model: {json.dumps(base_model)}", f"        layer_range: [{start}, {end}]"]
+    return "\n".join(lines) + "\n"
+
+
+def llamacpp_prune_layers(plan: PrunePlan) -> str:
+    """The comma-separated list `llama-quantize --prune-layers` takes (0-based original indices)."""
+    return ",".join(str(index) for index in plan.removed) + "\n"
+
+
+def prune_record(plan: PrunePlan, *, source_path: str, perplexity: dict | None, verification: dict | None) -> dict:
+    """prune.json: everything needed to know and redo what was removed."""
+    return {
+        **plan.to_json(),
+        "source_path": source_path,
+        "perplexity": perplexity,
+        "verification": verification,
+        "prunetool_version": __version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _perplexity_rows(perplexity: dict | None, base_layers: int, kept_layers: int) -> list[str]:
+    if not perplexity:
+        return ["Perplexity was not measured (`--no-verify`)."]
+    return [
+        f"Perplexity on held-out calibration text ({perplexity['description']}):",
+        "",
+        "| model | layers | perplexity |",
+        "|---|---|---|",
+        f"| base | {base_layers} | {perplexity['before']:.3f} |",
+        f"| pruned | {kept_layers} | {perplexity['after']:.3f} |",
+    ]
+
+
+def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, command: str) -> str:
+    """README.md with Hub front matter, saying what was removed and what it cost."""
+    criterion = plan.criterion if not plan.parameters else (
+        f"{plan.criterion} ({', '.join(f'{key}={value}' for key, value in plan.parameters.items())})")
+    lines = [
+        "---",
+        f"base_model: {json.dumps(base_model)}",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags: [pruned, prunetool]",
+        "---",
+        "",
+        f"# {base_model}, {len(plan.removed)} of {plan.num_layers} decoder layers removed",
+        "",
+        f"Made with prunetool {__version__} by removing whole decoder layers; no weights were changed.",
+        "",
+        f"- Removed layers (0-based indices of the original model): {', '.join(map(str, plan.removed))}",
+        f"- Kept: {len(plan.kept)} layers; `prune.json` maps each original index to its new one.",
+        f"- Chosen by: {criterion}",
+        "",
+        *_perplexity_rows(perplexity, plan.num_layers, len(plan.kept)),
+        "",
+        "Reproduce:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "The same cut with other tools: `mergekit.yaml` (mergekit passthrough) and",
+        "`llama.cpp-prune-layers.txt` (`llama-quantize --prune-layers $(cat llama.cpp-prune-layers.txt) ...`).",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,56 @@
+"""The plan between selection and surgery: which original layers go, chosen how, from which scores.
+
+Selection produces a PrunePlan; checkpoint surgery consumes only the plan. Every index here is a
+0-based index of the original model.
+"""
+
+from dataclasses import dataclass, field
+
+from prunetool.errors import OptionError
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    base_model: str  # what the user named (alias, folder, hub id, .gguf)
+    num_layers: int  # layers in the original model
+    removed: tuple[int, ...]  # sorted, original 0-based indices
+    criterion: str  # "qsim", "tappa", ..., or "manual" for --layers
+    parameters: dict = field(default_factory=dict)  # e.g. {"beta": 0.3, "protect_first": 0}
+    criterion_values: list[float] | None = None  # the per-layer values the criterion ranked, if any
+    calibration: dict | None = None  # CalibrationSet.describe() of the scores used, if any
+
+    def __post_init__(self):
+        removed = tuple(sorted(self.removed))
+        object.__setattr__(self, "removed", removed)
+        if len(set(removed)) != len(removed):
+            raise OptionError(f"layer indices must be distinct, got {list(self.removed)}")
+        if not removed:
+            raise OptionError("nothing to remove: the plan names no layers")
+        if removed[0] < 0 or removed[-1] >= self.num_layers:
+            raise OptionError(f"layer indices must be in 0..{self.num_layers - 1}, got {list(removed)}")
+        if len(removed) >= self.num_layers:
+            raise OptionError(f"cannot remove all {self.num_layers} layers; at least one must stay")
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        gone = set(self.removed)
+        return tuple(index for index in range(self.num_layers) if index not in gone)
+
+    @property
+    def index_map(self) -> dict[int, int]:
+        """Original index -> new index for every kept layer."""
+        return {old: new for new, old in enumerate(self.kept)}
+
+    def to_json(self) -> dict:
+        return {
+            "base_model": self.base_model,
+            "num_layers": self.num_layers,
+            "removed": list(self.removed),
+            "kept": list(self.kept),
+            "index_map": {str(old): new for old, new in self.index_map.items()},
+            "criterion": self.criterion,
+            "parameters": self.parameters,
+            "criterion_values": self.criterion_values,
+            "calibration": self.calibration,
+            "indexing": "0-based indices of the original model",
+        }

@@ -1,0 +1,67 @@
+"""Plan -> pruned checkpoint folder, written without instantiating the model.
+
+The only entry point is `write_pruned_checkpoint`. Data flow: config.json + shard headers are read
+and checked first (every refusal happens before anything is written); then each shard is rewritten
+byte for byte with renumbered layer names (`tensors`, `safetensors_io`), the config is pruned
+(`config`), side files are copied and the folder is published atomically (`output`).
+"""
+
+import json
+from pathlib import Path
+
+from prunetool.errors import OptionError
+from prunetool.plan import PrunePlan
+from prunetool.surgery.config import load_config, prune_config
+from prunetool.surgery.materialise import safetensors_folder
+from prunetool.surgery.output import (
+    check_extra_names,
+    check_output,
+    copy_side_files,
+    staged_folder,
+    write_extra_files,
+)
+from prunetool.surgery.tensors import SAFETENSORS_INDEX, find_decoder_prefix, read_weights, renamer, write_weights
+
+__all__ = ["prune_config", "write_pruned_checkpoint"]
+
+
+def write_pruned_checkpoint(
+    source_dir: Path,
+    plan: PrunePlan,
+    output: Path,
+    *,
+    force: bool = False,
+    extra_files: dict[str, str] | None = None,
+    on_shard=None,
+    before_publish=None,
+) -> Path:
+    """Write `source_dir` minus the plan's removed layers to `output`; return `output`.
+
+    Kept tensors keep their dtype and bytes, shard file names and shard metadata; the index and
+    config.json describe the new layer count. `on_shard(file_name)` is called once per source shard
+    (progress). `extra_files` ({relative name: text}) are written into the folder as well.
+    `before_publish(folder)` gets the complete temporary folder before it is renamed into place: if it
+    raises (a failed reload check), nothing is published. The source folder is only read. With
+    `force` an existing output is replaced once the new one is complete (and checked).
+    """
+    source_dir, output = Path(source_dir).expanduser(), Path(output).expanduser().absolute()
+    check_output(source_dir, output, force)
+    check_extra_names(extra_files, {"config.json", SAFETENSORS_INDEX})
+    config, num_layers, derived = load_config(source_dir)
+    if plan.num_layers != num_layers:
+        raise OptionError(
+            f"the plan is for a {plan.num_layers}-layer model but {source_dir} has {num_layers} decoder layers; "
+            "make the plan from this model"
+        )
+    new_config = prune_config(config, list(plan.kept), derived)
+    with safetensors_folder(source_dir, output) as weights_dir:
+        weights = read_weights(weights_dir)
+        prefix = find_decoder_prefix(weights.names, num_layers)
+        with staged_folder(output, force) as staging:
+            write_weights(weights, renamer(prefix, plan.index_map), staging, on_shard)
+            copy_side_files(source_dir, staging)
+            (staging / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
+            write_extra_files(staging, extra_files)
+            if before_publish is not None:
+                before_publish(staging)
+    return output

@@ -1,0 +1,141 @@
+"""Byte-level safetensors copy: rename and drop tensors without ever decoding them.
+
+A safetensors file is `u64 header length | JSON header | raw tensor bytes`, and each header entry
+says where its bytes lie (`data_offsets`, relative to the end of the header). Pruning only renames
+and drops entries, so the writer copies each kept tensor's byte range into the new file and writes a
+header with the new names and offsets. Why not `safe_open(...).get_tensor` + `save_file`:
+* memory is one copy buffer, not one shard (transformers 5 writes shards of up to 50 GB by default,
+  so "one shard" can be the whole model);
+* bytes are identical by construction: no dtype round trip through torch, any dtype string passes;
+* the kernel can copy the ranges (`os.copy_file_range`) without them entering the process.
+The result is checked by `safe_open` itself after writing (see `verify_shard`).
+"""
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from prunetool.errors import ModelSourceError
+from prunetool.sources.checks import check_safetensors_file
+
+COPY_CHUNK = 64 << 20  # bytes per copy call; bounds user-space memory when the kernel copy is unavailable
+HEADER_ALIGN = 8  # safetensors pads the header with spaces so tensor data starts 8-byte aligned
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One header entry: the tensor's name, its unparsed header fields and where its bytes are."""
+
+    name: str
+    info: dict  # {"dtype": ..., "shape": [...], "data_offsets": [start, end]} exactly as on disk
+
+    @property
+    def start(self) -> int:
+        return self.info["data_offsets"][0]
+
+    @property
+    def nbytes(self) -> int:
+        start, end = self.info["data_offsets"]
+        return end - start
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.info["shape"]:
+            count *= int(dim)
+        return count
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed safetensors header: entries in on-disk order, the shard metadata, where data starts."""
+
+    path: Path
+    entries: tuple[TensorEntry, ...]
+    metadata: dict | None  # the "__metadata__" map, e.g. {"format": "pt"}, or None when absent
+    data_start: int  # 8 + header length
+
+
+def read_header(path: Path) -> ShardHeader:
+    """Validate the file (size matches header, offsets sane) and return its entries by data offset."""
+    check_safetensors_file(path)
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len).decode("utf-8"))
+    metadata = header.pop("__metadata__", None)
+    entries = sorted((TensorEntry(name, info) for name, info in header.items()), key=lambda e: e.start)
+    return ShardHeader(Path(path), tuple(entries), metadata, 8 + header_len)
+
+
+def encode_header(entries: list[tuple[str, dict]], metadata: dict | None) -> bytes:
+    """The `u64 length + JSON` prefix for `entries` laid out back to back, in the given order."""
+    header: dict = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for name, info in entries:
+        size = info["data_offsets"][1] - info["data_offsets"][0]
+        header[name] = {**info, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % HEADER_ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_shard(source: ShardHeader, renamed: list[tuple[TensorEntry, str]], target: Path) -> int:
+    """Write the (entry, new name) pairs of `source` into `target`; return the tensor bytes written.
+
+    Entries are written in source order, so the reads walk the source file forwards.
+    """
+    pairs = sorted(renamed, key=lambda pair: pair[0].start)
+    prefix = encode_header([(new, entry.info) for entry, new in pairs], source.metadata)
+    written = 0
+    with open(source.path, "rb") as src, open(target, "wb") as dst:
+        dst.write(prefix)
+        dst.flush()
+        for entry, _ in pairs:
+            copy_range(src, dst, source.data_start + entry.start, entry.nbytes)
+            written += entry.nbytes
+    return written
+
+
+def copy_range(src, dst, offset: int, length: int) -> None:
+    """Append `length` bytes of `src` starting at `offset` to `dst` (kernel copy when possible)."""
+    dst.flush()  # the kernel copy writes to the descriptor, behind Python's buffer
+    start = dst.tell()
+    done = _kernel_copy(src, dst, offset, start, length)
+    dst.seek(start + done)
+    src.seek(offset + done)
+    while done < length:  # what the kernel copy did not do (unsupported file system, old kernel)
+        chunk = src.read(min(COPY_CHUNK, length - done))
+        if not chunk:
+            raise ModelSourceError(f"{src.name} ended early while copying tensor data; re-download it")
+        dst.write(chunk)
+        done += len(chunk)
+
+
+def _kernel_copy(src, dst, offset: int, dst_offset: int, length: int) -> int:
+    """Copy with `os.copy_file_range` as far as it goes; return the bytes copied (0 if unavailable)."""
+    done = 0
+    if not hasattr(os, "copy_file_range"):
+        return 0
+    try:
+        while done < length:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), min(COPY_CHUNK, length - done),
+                                   offset + done, dst_offset + done)
+            if n == 0:
+                break
+            done += n
+    except OSError:  # EXDEV, ENOSYS, EINVAL on some file systems: the caller falls back to read/write
+        pass
+    return done
+
+
+def verify_shard(path: Path, expected: list[str]) -> None:
+    """Open the written file with safetensors' own reader: header and tensor list must be exact."""
+    with safe_open(path, framework="pt") as f:
+        found = sorted(f.keys())
+    if found != sorted(expected):
+        raise ModelSourceError(f"written shard {path.name} does not list the expected tensors; this is a bug")

@@ -1,0 +1,150 @@
+"""The checkpoint's tensors after layer removal: find the decoder's keys, renumber them, drop the rest.
+
+Names are found by one generic rule rather than per-family tables: the decoder stack is the unique
+`...layers.` prefix whose indices are exactly 0..num_hidden_layers-1 (`model.layers.`, legacy
+multimodal `language_model.model.layers.`, ...), ignoring vision/audio encoders and MTP heads.
+Everything else (embeddings, final norm, lm_head, vision tower) is copied unchanged.
+"""
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prunetool.errors import ModelSourceError, UnsupportedModelError
+from prunetool.sources.checks import SAFETENSORS_INDEX
+from prunetool.surgery.safetensors_io import ShardHeader, read_header, verify_shard, write_shard
+
+SINGLE_FILE = "model.safetensors"
+LAYER_KEY = re.compile(r"^(?P<prefix>.*?\blayers\.)(?P<idx>\d+)\.")
+NOT_DECODER = re.compile(r"vision|visual|audio|encoder|mtp", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class WeightSet:
+    """The safetensors files of a checkpoint, headers read, plus its index (None when single-file)."""
+
+    folder: Path
+    shards: tuple[ShardHeader, ...]
+    index: dict | None
+
+    @property
+    def names(self) -> list[str]:
+        return [entry.name for shard in self.shards for entry in shard.entries]
+
+
+def has_safetensors(folder: Path) -> bool:
+    return (folder / SAFETENSORS_INDEX).is_file() or (folder / SINGLE_FILE).is_file()
+
+
+def read_weights(folder: Path) -> WeightSet:
+    """Headers of every shard the index names (or of model.safetensors); no tensor data is read."""
+    index_path = folder / SAFETENSORS_INDEX
+    if not index_path.is_file():
+        return WeightSet(folder, (read_header(folder / SINGLE_FILE),), None)
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelSourceError(f"{index_path} is not valid JSON ({e}); re-download it") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelSourceError(f"{index_path} has no weight_map; re-download it")
+    shards = []
+    for name in sorted(set(weight_map.values())):
+        if not (folder / name).is_file():
+            raise ModelSourceError(f"shard {name} named in {index_path} is missing; re-download the model")
+        shards.append(read_header(folder / name))
+    _check_index(index_path, weight_map, shards)
+    return WeightSet(folder, tuple(shards), index)
+
+
+def _check_index(index_path: Path, weight_map: dict, shards: list[ShardHeader]) -> None:
+    """Every tensor the index names must be in the shard it names; otherwise loading would fail later."""
+    found = {entry.name: shard.path.name for shard in shards for entry in shard.entries}
+    for name, shard in weight_map.items():
+        if found.get(name) != shard:
+            raise ModelSourceError(f"{index_path} puts {name} in {shard}, but that shard does not hold it; re-download")
+
+
+def _describe(indices: set[int]) -> str:
+    ordered = sorted(indices)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}..{ordered[-1]}" if len(ordered) > 1 else str(ordered[0])
+    return ",".join(map(str, ordered))
+
+
+def find_decoder_prefix(names: list[str], num_layers: int) -> str:
+    """The key prefix of the decoder stack, or a refusal that lists every `layers.` prefix found."""
+    groups: dict[str, set[int]] = {}
+    for name in names:
+        match = LAYER_KEY.match(name)
+        if match:
+            groups.setdefault(match["prefix"], set()).add(int(match["idx"]))
+    found = "; ".join(f"{prefix}{{{_describe(idx)}}}" for prefix, idx in sorted(groups.items())) or "none"
+    candidates = {prefix: idx for prefix, idx in groups.items() if not NOT_DECODER.search(prefix)}
+    wanted = set(range(num_layers))
+    extra = {prefix: idx - wanted for prefix, idx in candidates.items() if idx > wanted}
+    if extra:
+        prefix, indices = next(iter(extra.items()))
+        raise UnsupportedModelError(
+            f"{prefix} has layers {_describe(indices)} beyond num_hidden_layers={num_layers} (MTP or extra "
+            "layers); pruning such checkpoints is not supported"
+        )
+    exact = [prefix for prefix, idx in candidates.items() if idx == wanted]
+    if len(exact) != 1:
+        what = "no" if not exact else "several"
+        raise UnsupportedModelError(
+            f"{what} decoder layer prefix with indices 0..{num_layers - 1} found; tensors with layer indices: {found}"
+        )
+    return exact[0]
+
+
+def renamer(prefix: str, index_map: dict[int, int]) -> Callable[[str], str | None]:
+    """name -> new name, or None for a removed layer's tensor; names outside the prefix pass through."""
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)(\..*)$", re.DOTALL)
+
+    def rename(name: str) -> str | None:
+        match = pattern.match(name)
+        if not match:
+            return name
+        new = index_map.get(int(match[1]))
+        return None if new is None else f"{prefix}{new}{match[2]}"
+
+    return rename
+
+
+def write_weights(weights: WeightSet, rename, target: Path, on_shard=None) -> None:
+    """Write every shard (same file name) with renamed tensors, then the index; skip emptied shards."""
+    weight_map: dict[str, str] = {}
+    total_size = total_params = 0
+    for shard in weights.shards:
+        pairs = [(entry, rename(entry.name)) for entry in shard.entries]
+        pairs = [(entry, new) for entry, new in pairs if new is not None]
+        if pairs or weights.index is None:  # a single-file checkpoint always keeps its file
+            out = target / shard.path.name
+            total_size += write_shard(shard, pairs, out)
+            verify_shard(out, [new for _, new in pairs])
+            total_params += sum(entry.numel for entry, _ in pairs)
+            weight_map.update({new: shard.path.name for _, new in pairs})
+        if on_shard is not None:
+            on_shard(shard.path.name)
+    if weights.index is not None:
+        index = pruned_index(weights.index, weight_map, total_size, total_params)
+        (target / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def pruned_index(index: dict, weight_map: dict[str, str], total_size: int, total_params: int) -> dict:
+    """The source index with the new weight_map and sizes; other keys and metadata kept as they were.
+
+    `total_parameters` (written by transformers 5) is recomputed too when present, since it would
+    otherwise describe the unpruned model.
+    """
+    out = dict(index)
+    metadata = dict(index.get("metadata") or {})
+    metadata["total_size"] = total_size
+    if "total_parameters" in metadata:
+        metadata["total_parameters"] = total_params
+    out["metadata"] = metadata
+    out["weight_map"] = dict(sorted(weight_map.items()))
+    return out

@@ -1,0 +1,331 @@
+"""Layer selection: every criterion on hand-built scores, --layers parsing, plans, in-memory removal
+against an independently rebuilt model on every tiny architecture, perplexity against a hand
+computation, and the perplexity-greedy criterion against a brute-force re-implementation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import prunetool.perplexity as perplexity_module
+from prunetool.calibration import CalibrationSet
+from prunetool.errors import OptionError
+from prunetool.in_memory import layers_removed, prune_in_memory
+from prunetool.loading import load_model
+from prunetool.perplexity import perplexity
+from prunetool.scoring import Scores
+from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, tappa_importance, validate_selection
+from prunetool.sources import resolve_model
+from tests.tiny_models import ARCHITECTURES
+
+CALIBRATION = {"source": "hand", "sha256": "0" * 64, "seq_len": 8, "stride": 8, "windows": 1, "tokens": 8}
+
+
+def _scores(qsim=None, bi=None, angular=None, num_layers=None) -> Scores:
+    num_layers = num_layers or len(qsim or bi)
+    qsim, bi = qsim or [0.0] * num_layers, bi or [0.0] * num_layers
+    layers = [{"index": i, "q_similarity": q, "q_similarity_post_rope": q, "q_similarity_lag1": q, "block_influence": b}
+              for i, (q, b) in enumerate(zip(qsim, bi))]
+    angular = angular or [[0.0] * (num_layers + 1) for _ in range(num_layers + 1)]
+    return Scores("hand", num_layers, 1, CALIBRATION, layers, {}, angular)
+
+
+def _removed(criterion, scores, count, **kwargs):
+    return make_plan("hand", criterion, count, scores=scores, **kwargs).removed
+
+
+# ---------------------------------------------------------------- score criteria on known values
+
+def test_qsim_removes_highest_with_ties_to_lower_index_and_protection():
+    scores = _scores(qsim=[0.1, 0.9, 0.5, 0.9, 0.2, 0.3])
+    assert _removed("qsim", scores, 1) == (1,)
+    assert _removed("qsim", scores, 2) == (1, 3)
+    assert _removed("qsim", scores, 3) == (1, 2, 3)
+    assert _removed("qsim", scores, 2, protect_first=2) == (2, 3)
+    assert _removed("qsim", scores, 2, protect_last=3) == (1, 2)
+
+
+def test_tappa_values_and_beta_edge_cases():
+    # minmax(bi) = [0, .5, 1, .25]; 1 - minmax(qsim) = [.5, 0, 1, .75]; dyadic, so ties are exact
+    scores = _scores(qsim=[0.5, 1.0, 0.0, 0.25], bi=[0.0, 0.5, 1.0, 0.25])
+    plan = make_plan("hand", "tappa", 2, scores=scores)
+    assert plan.criterion_values == pytest.approx([0.15, 0.5, 1.3, 0.475])
+    assert plan.removed == (0, 3)
+    assert _removed("tappa", scores, 1, beta=0.0) == (0,)  # pure block influence
+    assert _removed("tappa", scores, 2, beta=0.0) == (0, 3)
+    assert _removed("tappa", scores, 1, beta=1.0) == (0,)  # BI' = [.5, .5, 2, 1]: tie -> lower index
+    assert _removed("tappa", scores, 2, beta=1.0) == (0, 1)
+    assert _removed("tappa", scores, 1, beta=10.0) == (1,)  # query similarity dominates: the qsim choice
+    assert _removed("tappa", scores, 1, beta=10.0) == _removed("qsim", scores, 1)
+    assert _removed("tappa", scores, 1, protect_first=1) == (3,)
+    flat = _scores(qsim=[0.4] * 4, bi=[0.3, 0.1, 0.3, 0.2])  # constant qsim: minmax -> 0, BI order remains
+    assert make_plan("hand", "tappa", 1, scores=flat).criterion_values == pytest.approx([1.3, 0.3, 1.3, 0.8])
+
+
+def test_bi_removes_lowest_block_influence():
+    scores = _scores(bi=[0.5, 0.1, 0.3, 0.1, 0.4, 0.05])
+    assert _removed("bi", scores, 1) == (5,)
+    assert _removed("bi", scores, 2) == (1, 5)
+    assert _removed("bi", scores, 3) == (1, 3, 5)
+    assert _removed("bi", scores, 2, protect_last=1) == (1, 3)
+    assert make_plan("hand", "bi", 1, scores=scores).criterion_values == [0.5, 0.1, 0.3, 0.1, 0.4, 0.05]
+
+
+def _angular(num_layers: int, entries: dict) -> list[list[float]]:
+    dist = [[0.0 if i == j else 0.5 for j in range(num_layers + 1)] for i in range(num_layers + 1)]
+    for (i, j), value in entries.items():
+        dist[i][j] = dist[j][i] = value
+    return dist
+
+
+def test_angular_block_keeps_final_layer_ties_and_protection():
+    # d(4, 6) is the smallest but [4, 6) contains the final layer 5; [1, 3) and [3, 5) tie at 0.1.
+    scores = _scores(num_layers=6, angular=_angular(6, {(4, 6): 0.01, (1, 3): 0.1, (3, 5): 0.1, (2, 4): 0.2}))
+    plan = make_plan("hand", "angular", 2, scores=scores)
+    assert plan.removed == (1, 2)
+    assert plan.criterion_values == [0.5, 0.1, 0.2, 0.1, None, None]
+    assert _removed("angular", scores, 2, protect_first=2) == (3, 4)
+    assert _removed("angular", scores, 2, protect_first=2, protect_last=2) == (2, 3)  # the only start left
+    assert make_plan("hand", "angular", 2, scores=scores, protect_last=2).criterion_values == [0.5, 0.1, 0.2, None, None, None]
+    assert _removed("angular", scores, 5) == (0, 1, 2, 3, 4)  # L-1 layers: one block, the final layer stays
+    with pytest.raises(OptionError, match="contiguous block and keeps the final layer: layers 3..4 leave room for 2"):
+        make_plan("hand", "angular", 3, scores=scores, protect_first=3)  # 3 unprotected, but 5 is the final layer
+
+
+def test_last_is_the_block_before_the_final_layer():
+    plan = make_plan("hand", "last", 2, num_layers=6)
+    assert plan.removed == (3, 4) and plan.criterion_values is None and plan.calibration is None
+    assert make_plan("hand", "last", 2, num_layers=6, protect_last=3).removed == (1, 2)
+    assert make_plan("hand", "last", 5, num_layers=6).removed == (0, 1, 2, 3, 4)
+    with pytest.raises(OptionError, match="contiguous block"):
+        make_plan("hand", "last", 3, num_layers=6, protect_first=3)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(count=0), "at least 1"),
+    (dict(count=6), "below the number of layers"),
+    (dict(count=3, protect_first=2, protect_last=2), "more than the 2 unprotected layers"),
+    (dict(count=1, protect_first=3, protect_last=3), "more than the 0 unprotected"),
+    (dict(criterion="nope"), "qsim, tappa, bi, angular, last, ppl"),
+    (dict(beta=-0.1), "--beta"),
+    (dict(beta=float("nan")), "--beta"),
+    (dict(protect_first=-1), "--protect-first"),
+])
+def test_validation_errors_are_one_line(kwargs, message):
+    args = dict(criterion="bi", count=2, num_layers=6) | kwargs
+    with pytest.raises(OptionError, match=re.escape(message)) as error:
+        validate_selection(args.pop("criterion"), args.pop("count"), args.pop("num_layers"), **args)
+    assert "\n" not in str(error.value)
+
+
+def test_make_plan_records_how_layers_were_chosen():
+    scores = _scores(qsim=[0.5, 0.9, 0.1, 0.3, 0.7], bi=[0.2, 0.6, 1.0, 0.4, 0.3])
+    plan = make_plan("tiny/model", "tappa", 2, scores=scores, beta=0.5, protect_first=1)
+    assert plan.base_model == "tiny/model" and plan.num_layers == 5 and plan.criterion == "tappa"
+    assert plan.parameters == {"protect_first": 1, "protect_last": 0, "beta": 0.5}
+    assert plan.criterion_values == pytest.approx(tappa_importance(scores.column("block_influence"),
+                                                                   scores.column("q_similarity"), 0.5))
+    assert plan.calibration == CALIBRATION
+    assert make_plan("m", "bi", 1, scores=scores).parameters == {"protect_first": 0, "protect_last": 0}
+    with pytest.raises(OptionError, match="disagree"):
+        make_plan("m", "bi", 1, scores=scores, num_layers=6)
+    with pytest.raises(OptionError, match="score the model first"):
+        make_plan("m", "bi", 1, num_layers=5)
+    with pytest.raises(OptionError, match="calibration"):
+        make_plan("m", "ppl", 1, num_layers=5)
+    assert manual_plan("m", (4, 1), 5).to_json()["kept"] == [0, 2, 3]
+
+
+def test_registry_is_complete():
+    assert list(CRITERIA) == ["qsim", "tappa", "bi", "angular", "last", "ppl"]
+
+
+# ---------------------------------------------------------------- --layers
+
+def test_parse_layers_accepts_spaces_and_sorts():
+    assert parse_layers("3,7,12", 16) == (3, 7, 12)
+    assert parse_layers(" 12 , 3,7 ", 16) == (3, 7, 12)
+    assert parse_layers("0", 2) == (0,)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "empty"),
+    ("3,,7", "item 2 is empty"),
+    ("3,", "item 2 is empty"),
+    ("x", "'x' is not a whole number"),
+    ("1.5", "'1.5' is not a whole number"),
+    ("-1", "-1 is negative"),
+    ("3,3", "layer 3 is listed twice"),
+    ("6", "layer 6 does not exist; indices are 0-based, 0..5"),
+    ("0,1,2,3,4,5", "all 6 layers"),
+])
+def test_parse_layers_errors(text, message):
+    with pytest.raises(OptionError, match=re.escape(message)):
+        parse_layers(text, 6)
+
+
+# ---------------------------------------------------------------- in-memory removal on real tiny models
+
+def _load(tiny_checkpoint, arch):
+    model, _ = load_model(resolve_model(str(tiny_checkpoint(arch))), dtype="float32", device="cpu")
+    return model
+
+
+def rebuild_pruned(model, removed):
+    """The slow, independent path: a fresh model built from an edited config, loaded with renamed weights."""
+    keep = [i for i in range(len(model.get_decoder().layers)) if i not in set(removed)]
+    config = copy.deepcopy(model.config)
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "layer_types", None) is not None:
+        text.layer_types = [text.layer_types[i] for i in keep]
+    text.num_hidden_layers = len(keep)
+    pruned = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                              attn_implementation=model.config._attn_implementation)
+    prefix = next(name for name, module in model.named_modules() if module is model.get_decoder())
+    pattern = re.compile(rf"{re.escape(prefix)}\.layers\.(\d+)\.(.*)")
+    state = {}
+    for key, value in model.state_dict().items():
+        match = pattern.fullmatch(key)
+        if match is None:
+            state[key] = value
+        elif int(match[1]) in keep:
+            state[f"{prefix}.layers.{keep.index(int(match[1]))}.{match[2]}"] = value
+    pruned.load_state_dict(state, strict=True)
+    return pruned.eval()
+
+
+def _snapshot(model):
+    decoder, text = model.get_decoder(), model.config.get_text_config(decoder=True)
+    indices = [(name, m.layer_idx) for name, m in decoder.named_modules() if hasattr(m, "layer_idx")]
+    return decoder.layers, indices, text.to_dict(), [name for name, _ in model.named_parameters()]
+
+
+def _greedy_no_cache(model, ids, steps):
+    for _ in range(steps):
+        ids = torch.cat([ids, model(input_ids=ids, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+CASES = [(arch, (1, 3, 4)) for arch in ARCHITECTURES] + [("gemma3_text", (2, 5)), ("qwen2", (0, 1, 2))]
+
+
+@pytest.mark.parametrize("arch, removed", CASES, ids=[f"{a}-{'-'.join(map(str, r))}" for a, r in CASES])
+def test_layers_removed_matches_rebuilt_model_and_restores_everything(tiny_checkpoint, arch, removed):
+    model = _load(tiny_checkpoint, arch)
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))  # longer than the window 8
+    with torch.no_grad():
+        before, snapshot = model(input_ids=ids).logits, _snapshot(model)
+        want = rebuild_pruned(model, removed)(input_ids=ids).logits
+        with layers_removed(model, removed) as keep:
+            assert keep == tuple(i for i in range(6) if i not in removed)
+            assert len(model.get_decoder().layers) == len(keep)
+            text = model.config.get_text_config(decoder=True)
+            assert text.num_hidden_layers == len(keep)
+            text.validate()  # what save_pretrained checks: per-layer lists match the layer count
+            if arch == "qwen2":  # full attention below max_window_layers=3: survivors 0, 2 (or none) are below
+                assert text.max_window_layers == {(1, 3, 4): 2, (0, 1, 2): 0}[removed]
+            torch.testing.assert_close(model(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+            generated = model.generate(ids[:1], max_new_tokens=10, do_sample=False, pad_token_id=0)
+            reference = _greedy_no_cache(model, ids[:1], 10)
+            assert torch.equal(generated, reference[:, : generated.shape[1]])
+        after = model(input_ids=ids).logits
+    assert torch.equal(after, before)
+    decoder_layers, indices, config, names = _snapshot(model)
+    assert decoder_layers is snapshot[0] and indices == snapshot[1] and config == snapshot[2] and names == snapshot[3]
+
+
+def test_layers_removed_restores_after_an_exception(tiny_checkpoint):
+    model = _load(tiny_checkpoint, "qwen3")
+    snapshot = _snapshot(model)
+    with pytest.raises(RuntimeError, match="boom"), layers_removed(model, [0, 5]):
+        raise RuntimeError("boom")
+    assert _snapshot(model)[1:] == snapshot[1:] and model.get_decoder().layers is snapshot[0]
+    with pytest.raises(OptionError, match="0..5"):
+        with layers_removed(model, [6]):
+            pass
+    assert _snapshot(model)[1:] == snapshot[1:]
+
+
+def test_prune_in_memory_is_permanent_and_saves(tiny_checkpoint, tmp_path):
+    model = _load(tiny_checkpoint, "gemma3")
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    want = rebuild_pruned(model, (0, 2))(input_ids=ids).logits
+    assert prune_in_memory(model, (0, 2)) == (1, 3, 4, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+    model.save_pretrained(tmp_path)  # validates the config
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+# ---------------------------------------------------------------- perplexity
+
+def hand_perplexity(model, windows):
+    """exp of the mean NLL from full logits, log-softmax in float64."""
+    with torch.no_grad():
+        logits = model(input_ids=windows, use_cache=False).logits.double()  # (W, T, V)
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, windows[:, 1:, None])
+    return math.exp(-logp.mean().item())
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_perplexity_matches_hand_computation(tiny_checkpoint, arch, monkeypatch):
+    model = _load(tiny_checkpoint, arch)
+    windows = torch.randint(0, 300, (3, 12), generator=torch.Generator().manual_seed(2))
+    want = hand_perplexity(model, windows)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(perplexity_module, "LOGITS_BUDGET_BYTES", 4 * vocab * 5)  # 5 tokens per head chunk
+    for batch_size in (1, 2, 3):
+        assert perplexity(model, windows, batch_size=batch_size) == pytest.approx(want, rel=1e-5)
+    monkeypatch.setattr(perplexity_module, "TESTED", ())  # the whole-forward fallback for other families
+    assert perplexity(model, windows, batch_size=2) == pytest.approx(want, rel=1e-5)
+
+
+def test_perplexity_rejects_bad_windows(tiny_checkpoint):
+    model = _load(tiny_checkpoint, "llama")
+    with pytest.raises(OptionError, match="T>=2"):
+        perplexity(model, torch.zeros(2, 1, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- ppl criterion (SLEB-style greedy)
+
+def _calibration(windows):
+    return CalibrationSet("random", "f" * 64, windows.shape[1], windows.shape[1], windows)
+
+
+def test_ppl_criterion_equals_brute_force(tiny_checkpoint):
+    model = _load(tiny_checkpoint, "llama")
+    windows = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(3))
+    first = {layer: hand_perplexity(rebuild_pruned(model, [layer]), windows) for layer in range(6)}
+    a = min(first, key=first.get)
+    second = {layer: hand_perplexity(rebuild_pruned(model, [a, layer]), windows) for layer in range(6) if layer != a}
+    b = min(second, key=second.get)
+    steps = []
+    with torch.no_grad():
+        before = model(input_ids=windows).logits
+    plan = make_plan("tiny", "ppl", 2, model=model, calibration=_calibration(windows),
+                     on_step=lambda done, total: steps.append((done, total)))
+    assert plan.removed == tuple(sorted((a, b))) and plan.parameters["greedy_order"] == [a, b]
+    assert plan.criterion_values == pytest.approx([first[i] for i in range(6)], rel=1e-5)
+    assert steps == [(done, 11) for done in range(1, 12)]
+    assert plan.calibration["sha256"] == "f" * 64 and plan.parameters["batch_size"] == 1
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=windows).logits, before)
+
+
+def test_ppl_criterion_respects_protection(tiny_checkpoint):
+    model = _load(tiny_checkpoint, "gemma3_text")
+    windows = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(4))
+    steps = []
+    plan = make_plan("tiny", "ppl", 2, model=model, calibration=_calibration(windows), protect_first=1,
+                     protect_last=2, batch_size=2, on_step=lambda done, total: steps.append((done, total)))
+    assert set(plan.removed) <= {1, 2, 3} and steps[-1] == (5, 5)
+    values = plan.criterion_values
+    assert values[0] is None and values[4] is None and values[5] is None and None not in values[1:4]
