@@ -202,9 +202,7 @@ def prune(
     trust_remote_code: TrustOpt = False,
 ):
     """Remove decoder layers and write a loadable safetensors checkpoint (0-based original indices throughout)."""
-    require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size)
-    if drop is not None and drop < 1:
-        raise OptionError(f"--drop must be at least 1, got {drop}")
+    require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size, drop=drop)
     from prunetool.pruning import PruneRequest, run_prune
     from prunetool.report import perplexity_table, plan_table
 
