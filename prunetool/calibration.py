@@ -12,25 +12,23 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import time
 import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 
 from prunetool.errors import CalibrationError, OptionError
+from prunetool.network import hub_unavailable_reason
 from prunetool.paths import calibration_cache_dir, presets_dir
 
 SEED = 0
 LADDER_START = 12288  # generated sizes 12288, 49152, ... tokens: covers the default 16 scored + 4 held-out windows of 512
 GEN_MARGIN = 1.125  # generate 12.5% beyond the rung: re-tokenizing decoded text can come out a little shorter
 GEN_BATCH = 32  # the 32 shipped prompts go in one batch; fewer, longer forward passes are faster on CPU
-HUB_PROBE_TIMEOUT_S = 5.0
 
 
 class _TooShort(CalibrationError):
@@ -197,24 +195,11 @@ def load_presets() -> dict[str, dict]:
 
 
 def _check_hub_reachable(label: str) -> None:
-    """Fail in milliseconds, not after datasets' ~25 s of retries, when the Hub cannot be reached.
-
-    Behind a proxy a direct probe proves nothing, so then we rely on the Hub client's own timeouts.
-    """
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
-        raise CalibrationError(f"{label} needs the Hugging Face Hub but HF_HUB_OFFLINE is set; "
+    """Fail in milliseconds, not after datasets' ~25 s of retries, when the Hub cannot be reached."""
+    reason = hub_unavailable_reason()
+    if reason is not None:
+        raise CalibrationError(f"{label} needs the Hugging Face Hub, but {reason}; "
                                "save the text to a file and pass its path instead")
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return
-    url = urlparse(constants.ENDPOINT)
-    port = url.port or (80 if url.scheme == "http" else 443)
-    try:
-        socket.create_connection((url.hostname, port), timeout=HUB_PROBE_TIMEOUT_S).close()
-    except OSError as exc:
-        raise CalibrationError(f"{label} needs the Hugging Face Hub, but {url.hostname} cannot be reached "
-                               f"({exc.strerror or exc}); save the text to a file and pass its path instead") from None
 
 
 def _hf_texts(name: str, config: str | None, split: str, field: str, label: str):

@@ -225,6 +225,62 @@ def prune(
               highlight=False, soft_wrap=True)
 
 
+@app.command("eval")
+@handle_errors
+def evaluate(
+    models: Annotated[Optional[list[str]], typer.Argument(help="Models to evaluate (folders, hub ids, demo aliases); "
+                                                              "default: the current run's pruned model and its base.")] = None,
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated: wikitext, lambada_openai, arc_easy, "
+                     "arc_challenge, piqa, winogrande (local with --data-dir), hop_number, hop_name (or e.g. hop_name_512), "
+                     "heldout_ppl, or any lm-eval task (online).")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Folder with the local evaluation files "
+                        "(also PRUNETOOL_DATA_DIR); see docs/evaluation.md.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="First N documents per task (hop probes: N per length).")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", help="Few-shot examples for lm-eval tasks "
+                           "(hop probes carry their own three).")] = None,
+    calib: CalibOpt = None,
+    seq_len: SeqLenOpt = 512,
+    samples: SamplesOpt = 16,
+    batch_size: Annotated[str, typer.Option("--batch-size", help="Requests per forward pass, or auto (on the CPU: "
+                          "what fits 4 GiB of logits at --max-length).")] = "auto",
+    max_length: Annotated[Optional[int], typer.Option("--max-length", help="Tokens per forward pass (default: "
+                          "2048, or the model's context if shorter).")] = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write lm-eval's results for each model "
+                      "plus a prunetool section to this JSON file.")] = None,
+    json_out: JsonOpt = False,
+    trust_remote_code: TrustOpt = False,
+):
+    """Run lm-eval (offline on local data) and hop probes; the pruned model beside its base.
+
+    heldout_ppl uses the calibration windows after the scored ones: the current run's calibration when
+    MODEL is omitted, else --calib/--seq-len/--samples.
+    """
+    require_positive(seq_len=seq_len, samples=samples)
+    from prunetool.evaluation.compare import EvalRequest, jsonable, run_eval
+    from prunetool.report import eval_table, hop_table
+    from prunetool.runs import write_json_atomic
+
+    if output is not None and output.is_dir():
+        raise OptionError(f"--output {output} is a folder; give a file name such as results.json")
+    calibration = {"calib": calib, "seq_len": seq_len, "stride": seq_len, "samples": samples}
+    request = EvalRequest(list(models or []), tasks, data_dir, limit, num_fewshot, batch_size, max_length, calibration,
+                          dtype, device, trust_remote_code)
+    report = jsonable(run_eval(request, err))
+    if output is not None:
+        write_json_atomic(output, report)
+    if json_out:
+        typer.echo(json.dumps(report))
+    else:
+        out.print(eval_table(report))
+        hops = hop_table(report)
+        if hops is not None:
+            out.print(hops)
+    err.print(f"time: {report['prunetool']['seconds']:.1f}s" + (f"; results written to {output}" if output else ""),
+              highlight=False)
+
+
 def main() -> None:
     """Console entry point; `--debug` is accepted anywhere on the line."""
     argv = sys.argv[1:]

@@ -83,3 +83,84 @@ def perplexity_table(perplexity: dict, base_layers: int, kept_layers: int) -> Ta
     table.add_row("base", str(base_layers), f"{perplexity['before']:.3f}")
     table.add_row("pruned", str(kept_layers), f"{perplexity['after']:.3f}")
     return table
+
+
+def _number(value) -> str:
+    if not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
+
+
+def eval_rows(report: dict) -> list[tuple[str, str, bool | None, dict[str, tuple[float, float | None]]]]:
+    """(task, metric, higher is better, {label: (value, stderr)}) for every metric any model reported."""
+    rows: dict[tuple[str, str], dict] = {}
+    better: dict[tuple[str, str], bool | None] = {}
+    for label, entry in report["models"].items():
+        lm = entry.get("lm_eval") or {}
+        for task, metrics in (lm.get("results") or {}).items():
+            for key, value in metrics.items():
+                metric, comma, _ = key.partition(",")
+                if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                    continue
+                stderr = metrics.get(key.replace(",", "_stderr,", 1))
+                rows.setdefault((task, metric), {})[label] = (value, stderr if isinstance(stderr, (int, float)) else None)
+                better[(task, metric)] = (lm.get("higher_is_better") or {}).get(task, {}).get(metric)
+        if entry.get("heldout_ppl"):
+            rows.setdefault(("heldout_ppl", "perplexity"), {})[label] = (entry["heldout_ppl"]["perplexity"], None)
+            better[("heldout_ppl", "perplexity")] = False
+    return [(task, metric, better[(task, metric)], values) for (task, metric), values in rows.items()]
+
+
+def eval_table(report: dict) -> Table:
+    """One row per task and metric, one column per model (value ± stderr), and the change when comparing two."""
+    labels = list(report["models"])
+    info = report["prunetool"]
+    limit = f", first {info['limit']} documents per task" if info.get("limit") else ""
+    table = Table(title=f"evaluation{limit}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("task")
+    table.add_column("metric")
+    for label in labels:
+        table.add_column(label, justify="right")
+    if len(labels) == 2:
+        table.add_column("change", justify="right")
+    for task, metric, higher, values in eval_rows(report):
+        arrow = {True: " ↑", False: " ↓"}.get(higher, "")
+        cells = []
+        for label in labels:
+            value, stderr = values.get(label, (None, None))
+            cells.append("—" if value is None else _number(value) + (f" ± {_number(stderr)}" if stderr else ""))
+        if len(labels) == 2:
+            first, second = (values.get(label, (None, None))[0] for label in labels)
+            if first is None or second is None:
+                cells.append("")
+            else:
+                delta = second - first
+                worse = higher is not None and delta != 0 and (delta < 0) == higher
+                cells.append(Text(f"{delta:+.4g}", style="red" if worse else "green" if higher is not None and delta else ""))
+        table.add_row(task, metric + arrow, *cells)
+    return table
+
+
+def hop_table(report: dict) -> Table | None:
+    """Hop-probe accuracy against context length: one row per probe and model, one column per length."""
+    from prunetool.evaluation.hop import parse_task_name
+
+    cells: dict[tuple[str, str], dict[int, float]] = {}
+    for label, entry in report["models"].items():
+        for task, metrics in ((entry.get("lm_eval") or {}).get("results") or {}).items():
+            parsed = parse_task_name(task)
+            if parsed and "acc,none" in metrics:
+                cells.setdefault((parsed[0], label), {})[parsed[1]] = metrics["acc,none"]
+    if not cells:
+        return None
+    lengths = sorted({n for row in cells.values() for n in row})
+    table = Table(title="hop probes: accuracy by context length (chance 0.04)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("probe")
+    table.add_column("model")
+    for n in lengths:
+        table.add_column(str(n), justify="right")
+    order = list(report["models"])
+    for (kind, label), row in sorted(cells.items(), key=lambda item: (item[0][0], order.index(item[0][1]))):
+        table.add_row(kind, label, *(f"{row[n]:.2f}" if n in row else "—" for n in lengths))
+    return table

@@ -1,0 +1,160 @@
+"""`prunetool eval` wired together: which models, which tasks, then each model loaded in turn and scored.
+
+With no MODEL the current run supplies the base and its pruned copy, so the table shows what the
+pruning cost. Tasks are checked before the first model is loaded; models are loaded one at a time
+so two checkpoints never sit in memory together.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+
+from prunetool import __version__
+from prunetool.errors import OptionError, PrunetoolError
+from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, heldout_perplexity, make_lm
+from prunetool.evaluation.tasks import (
+    HELDOUT, data_dir_from, default_task_names, plan_tasks, split_names,
+)
+from prunetool.loading import load_model
+from prunetool.runs import load_current_run
+from prunetool.sources import resolve_model
+from prunetool.workflow import window_progress
+
+DEFAULT_CALIBRATION = {"calib": None, "seq_len": 512, "stride": 512, "samples": 16}
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    models: list[str]
+    tasks: str | None
+    data_dir: Path | None
+    limit: int | None
+    num_fewshot: int | None
+    batch_size: str
+    max_length: int | None
+    calibration: dict  # for heldout_ppl when MODELs are given
+    dtype: str
+    device: str
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str  # the column header: "base" / "pruned", or what the user typed
+    spec: str
+    role: str  # "base", "pruned" or "model"
+
+
+def candidates(specs: list[str], calibration: dict) -> tuple[list[Candidate], dict | None, dict]:
+    """The models to compare, the pruning record when comparing a prune with its base, and calibration options."""
+    if specs:
+        labels = []
+        for spec in specs:
+            label = spec if spec not in labels else f"{spec} #{labels.count(spec) + 1}"
+            labels.append(label)
+        return [Candidate(label, spec, "model") for label, spec in zip(labels, specs)], None, calibration
+    run = load_current_run()
+    pruned = run.get("pruned")
+    if not pruned:
+        raise PrunetoolError("the current run has no pruned model: run `prunetool prune --drop N` first, "
+                             "or pass the models to evaluate")
+    folder = Path(pruned["path"])
+    if not folder.is_dir():
+        raise PrunetoolError(f"the current run's pruned model {folder} no longer exists; prune again or pass MODEL")
+    options = {key: run.get("options", {}).get(key, value) for key, value in DEFAULT_CALIBRATION.items()}
+    options["stride"] = options["stride"] or options["seq_len"]
+    return ([Candidate("base", run["model"], "base"), Candidate("pruned", str(folder), "pruned")],
+            read_pruning_record(folder, pruned), options)
+
+
+def read_pruning_record(folder: Path, fallback: dict) -> dict:
+    """The pruned folder's prune.json (what was removed, by which criterion, perplexity before and after)."""
+    path = folder / "prune.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return dict(fallback)
+
+
+def heldout_windows(first_source, model, tokenizer, options: dict):
+    """The windows `prune` holds out: the ones right after the scored windows of the same calibration text."""
+    from prunetool.pruning import HOLDOUT_WINDOWS, calibration_windows
+
+    scored, held_out = calibration_windows(tokenizer, model, first_source, options, HOLDOUT_WINDOWS)
+    description = (f"{len(held_out)} windows x {scored.seq_len} tokens of {scored.source} after the "
+                   f"{scored.windows} calibration windows")
+    return held_out, description
+
+
+def run_eval(request: EvalRequest, console: Console) -> dict:
+    """Evaluate every candidate on every task; returns the report (also what --output writes)."""
+    if request.num_fewshot is not None and request.num_fewshot < 0:
+        raise OptionError(f"--num-fewshot must be 0 or more, got {request.num_fewshot}")
+    if request.limit is not None and request.limit < 1:
+        raise OptionError(f"--limit must be at least 1, got {request.limit}")
+    if request.max_length is not None and request.max_length < 16:
+        raise OptionError(f"--max-length must be at least 16 tokens, got {request.max_length}")
+    if request.batch_size != "auto" and not (request.batch_size.isdigit() and int(request.batch_size) >= 1):
+        raise OptionError(f"--batch-size must be a positive integer or auto, got {request.batch_size!r}")
+    data_dir = data_dir_from(request.data_dir)
+    names = split_names(request.tasks) or default_task_names(data_dir)
+    plans = plan_tasks(names, data_dir)
+    chosen, pruning, calibration = candidates(request.models, request.calibration)
+    sources = [resolve_model(c.spec, trust_remote_code=request.trust_remote_code) for c in chosen]
+
+    started, clock = datetime.now(timezone.utc), time.perf_counter()
+    managers = TaskManagers(data_dir)
+    models: dict[str, dict] = {}
+    with window_progress(console) as progress:
+        bar = progress.add_task("evaluating", total=len(chosen) * len(plans))
+        for candidate, source in zip(chosen, sources):
+            model_clock = time.perf_counter()
+            model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
+                                          trust_remote_code=request.trust_remote_code)
+            entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
+
+            def show(name: str, label=candidate.label):
+                progress.update(bar, description=f"{label}: {name}")
+
+            lm = make_lm(model, tokenizer, request.batch_size, request.max_length)
+            entry["max_length"], entry["batch_size"] = lm.max_length, lm.batch_size
+            entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(lm, plans, managers, limit=request.limit, num_fewshot=request.num_fewshot,
+                                              on_task=show, on_done=lambda name: progress.advance(bar))
+            if any(plan.kind == "heldout" for plan in plans):
+                show(HELDOUT)
+                windows, description = heldout_windows(sources[0], model, tokenizer, calibration)
+                entry[HELDOUT] = heldout_perplexity(model, windows, description)
+                progress.advance(bar)
+            entry["seconds"] = time.perf_counter() - model_clock
+            models[candidate.label] = entry
+            del lm, model, tokenizer
+            gc.collect()
+    return {
+        "prunetool": {
+            "version": __version__,
+            "models": [{"label": c.label, "model": c.spec, "path": str(s.path), "role": c.role}
+                       for c, s in zip(chosen, sources)],
+            "pruning": pruning,
+            "tasks": [plan.name for plan in plans],
+            "data_dir": str(data_dir) if data_dir else None,
+            "limit": request.limit,
+            "num_fewshot": request.num_fewshot,
+            "started": started.isoformat(timespec="seconds"),
+            "seconds": time.perf_counter() - clock,
+        },
+        "models": models,
+    }
+
+
+def jsonable(report: dict) -> dict:
+    """lm-eval's configs hold callables (dataset loaders); JSON gets their names, as lm-eval's own writer does."""
+    from lm_eval.utils import handle_non_serializable
+
+    return json.loads(json.dumps(report, default=handle_non_serializable))
