@@ -17,9 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The demo needs neither internet nor a data folder: eval then runs the hop probes and held-out perplexity.
 demo: setup
 	$(BIN)/prunetool models
 	$(BIN)/prunetool score smollm2-135m --output demo-scores.json
+	$(BIN)/prunetool prune --drop 6 --output demo-pruned --force
+	$(BIN)/prunetool eval --limit 20 --output demo-eval.json
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
@@ -31,4 +34,4 @@ bench: setup
 	$(BIN)/python bench/score_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache demo-scores.json
+	rm -rf $(VENV) .pytest_cache demo-scores.json demo-pruned demo-eval.json

@@ -237,7 +237,7 @@ def evaluate(
                         "(also PRUNETOOL_DATA_DIR); see docs/evaluation.md.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="First N documents per task (hop probes: N per length).")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", help="Few-shot examples for lm-eval tasks "
-                           "(hop probes carry their own three).")] = None,
+                           "(hop probes carry their own four).")] = None,
     calib: CalibOpt = None,
     seq_len: SeqLenOpt = 512,
     samples: SamplesOpt = 16,
