@@ -112,30 +112,33 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
     started, clock = datetime.now(timezone.utc), time.perf_counter()
     managers = TaskManagers(data_dir)
     models: dict[str, dict] = {}
-    with window_progress(console) as progress:
-        bar = progress.add_task("evaluating", total=len(chosen) * len(plans))
-        for candidate, source in zip(chosen, sources):
-            model_clock = time.perf_counter()
-            model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
-                                          trust_remote_code=request.trust_remote_code)
-            entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
+    for candidate, source in zip(chosen, sources):
+        model_clock = time.perf_counter()
+        model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
+                                      trust_remote_code=request.trust_remote_code)
+        entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
+        held_out = None
+        if any(plan.kind == "heldout" for plan in plans):  # may generate calibration text: its own progress bar
+            held_out = heldout_windows(sources[0], model, tokenizer, calibration)
+        lm = make_lm(model, tokenizer, request.batch_size, request.max_length)
+        entry["max_length"], entry["batch_size"] = lm.max_length, lm.batch_size
+        with window_progress(console) as progress:
+            bar = progress.add_task(candidate.label, total=len(plans))
 
             def show(name: str, label=candidate.label):
                 progress.update(bar, description=f"{label}: {name}")
 
-            lm = make_lm(model, tokenizer, request.batch_size, request.max_length)
-            entry["max_length"], entry["batch_size"] = lm.max_length, lm.batch_size
-            entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(lm, plans, managers, limit=request.limit, num_fewshot=request.num_fewshot,
-                                              on_task=show, on_done=lambda name: progress.advance(bar))
-            if any(plan.kind == "heldout" for plan in plans):
+            entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(
+                lm, plans, managers, limit=request.limit, num_fewshot=request.num_fewshot,
+                on_task=show, on_done=lambda name: progress.advance(bar))
+            if held_out is not None:
                 show(HELDOUT)
-                windows, description = heldout_windows(sources[0], model, tokenizer, calibration)
-                entry[HELDOUT] = heldout_perplexity(model, windows, description)
+                entry[HELDOUT] = heldout_perplexity(model, *held_out)
                 progress.advance(bar)
-            entry["seconds"] = time.perf_counter() - model_clock
-            models[candidate.label] = entry
-            del lm, model, tokenizer
-            gc.collect()
+        entry["seconds"] = time.perf_counter() - model_clock
+        models[candidate.label] = entry
+        del lm, model, tokenizer
+        gc.collect()
     return {
         "prunetool": {
             "version": __version__,
