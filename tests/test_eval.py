@@ -257,3 +257,37 @@ def test_no_pruned_model_in_the_current_run_is_refused(tiny_checkpoint, calib_fi
     assert runner.invoke(app, ["score", str(tiny_checkpoint("llama")), "--calib", str(calib_file),
                                *FAST_CALIB]).exit_code == 0
     assert_refused(runner.invoke(app, ["eval", "--data-dir", str(tiny_data)]), "no pruned model", "prunetool prune")
+
+
+# ------------------------------------------------------------------ the shipped configs are lm-eval's own
+
+
+BUNDLED = {"wikitext": "wikitext/wikitext.yaml", "lambada_openai": "lambada/lambada_openai.yaml",
+           "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml", "piqa": "piqa/piqa.yaml",
+           "winogrande": "winogrande/default.yaml"}
+SAME = ("task", "output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "process_results", "metric_list",
+        "metadata")
+
+
+@pytest.mark.parametrize("task", sorted(BUNDLED))
+def test_local_configs_keep_lm_evals_prompts_targets_metrics_and_versions(task):
+    """Only the data source may differ from the definitions lm-eval ships; !function names resolve to its code."""
+    from pathlib import Path
+
+    import lm_eval.tasks
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from prunetool.evaluation.tasks import TASKS_DIR
+
+    ours = load_yaml(TASKS_DIR / f"{task}.yaml", resolve_func=True)
+    theirs = load_yaml(Path(lm_eval.tasks.__file__).parent / BUNDLED[task], resolve_func=True)
+    for key in SAME:
+        mine, reference = ours.get(key), theirs.get(key)
+        if callable(reference):
+            same_code = (mine.__code__.co_filename, mine.__qualname__, mine.__code__.co_code)
+            assert same_code == (reference.__code__.co_filename, reference.__qualname__, reference.__code__.co_code), key
+        else:
+            assert mine == reference, key
+    assert callable(ours["custom_dataset"])
+    split = "test" if theirs.get("test_split") else "validation"
+    assert ours.get(f"{split}_split") == theirs.get(f"{split}_split")
