@@ -22,7 +22,7 @@ demo: setup
 	$(BIN)/prunetool models
 	$(BIN)/prunetool score smollm2-135m --output demo-scores.json
 	$(BIN)/prunetool prune --drop 6 --output demo-pruned --force
-	$(BIN)/prunetool eval --limit 20 --output demo-eval.json
+	$(BIN)/prunetool eval --limit 10 --output demo-eval.json
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
