@@ -59,8 +59,9 @@ def _layer_hooks(taps: LayerTaps, pending: dict):
     def post_hook(module, args, kwargs, output):
         layer_in, layer_out = pending.pop(module), _output_tensor(output)
         taps.block_influence.append(block_influence_per_window(layer_in, layer_out).cpu())
-        taps.last_input.append(layer_in[:, -1, :].float().cpu())
-        taps.last_output.append(layer_out[:, -1, :].float().cpu())
+        # copies: a bare slice would keep the whole (B, T, d) hidden state of every layer alive
+        taps.last_input.append(layer_in[:, -1, :].to("cpu", torch.float32, copy=True))
+        taps.last_output.append(layer_out[:, -1, :].to("cpu", torch.float32, copy=True))
 
     return pre_hook, post_hook
 

@@ -82,3 +82,17 @@ def test_unsupported_architecture_is_named(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=50, n_positions=64))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         inspect_decoder(model)
+
+
+def test_hooks_keep_only_reduced_tensors(tiny_checkpoint, calib_file):
+    """Every kept tensor owns just its own bytes: a view of a hidden state would keep all of it alive."""
+    from prunetool.capture import capture_scores
+
+    model, tokenizer = _load(tiny_checkpoint("llama"))
+    calibration = load_calibration(str(calib_file), tokenizer, seq_len=24, samples=2)
+    with capture_scores(inspect_decoder(model)) as taps, torch.inference_mode():
+        model.get_decoder()(input_ids=calibration.input_ids, use_cache=False)
+    for layer in taps:
+        for name in ("q_pre", "q_post", "q_lag1", "block_influence", "last_input", "last_output"):
+            for kept in getattr(layer, name):
+                assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size(), name
