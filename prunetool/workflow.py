@@ -10,10 +10,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from prunetool.architecture import inspect_decoder
 from prunetool.calibration import load_calibration
-from prunetool.loading import load_model
+from prunetool.loading import load_model, load_tokenizer, pick_device, pick_dtype
 from prunetool.runs import record_current_run
 from prunetool.scoring import Scores, score_model
 from prunetool.sources import resolve_model
+from prunetool.streaming import score_streamed
 
 
 def model_key(source) -> str:
@@ -30,16 +31,23 @@ def window_progress(console: Console) -> Progress:
 
 
 def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_size, trust_remote_code,
-              console: Console) -> tuple[Scores, dict]:
-    """Score a model end to end and record it as the current run; returns the scores and stage timings."""
+              console: Console, low_memory: bool = False) -> tuple[Scores, dict]:
+    """Score a model end to end and record it as the current run; returns the scores and stage timings.
+
+    `low_memory` never loads the model: each decoder layer is read from the checkpoint when it runs
+    (streaming.py), so the default calibration text must already be cached or --calib given.
+    """
     timings = {}
     clock = time.perf_counter()
     source = resolve_model(spec, trust_remote_code=trust_remote_code)
-    model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    layout = inspect_decoder(model)  # refuse unsupported models before any calibration work
-    if not layout.tested:
-        console.print(f"[yellow]warning:[/] model_type '{layout.model_type}' is not in prunetool's tested set; "
-                      "its layout matched the generic rule", highlight=False)
+    if low_memory:
+        model, tokenizer = None, load_tokenizer(source, trust_remote_code=trust_remote_code)
+    else:
+        model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        layout = inspect_decoder(model)  # refuse unsupported models before any calibration work
+        if not layout.tested:
+            console.print(f"[yellow]warning:[/] model_type '{layout.model_type}' is not in prunetool's tested set; "
+                          "its layout matched the generic rule", highlight=False)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=stride, samples=samples,
@@ -48,10 +56,15 @@ def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_siz
     clock = time.perf_counter()
     with window_progress(console) as progress:
         task = progress.add_task("scoring windows", total=calibration.windows)
-        scores = score_model(model, calibration, model_name=source.spec, batch_size=batch_size,
-                             on_batch=lambda n: progress.advance(task, n))
+        if low_memory:
+            target = pick_device(device)
+            scores = score_streamed(source, calibration, model_name=source.spec, dtype=pick_dtype(dtype, target),
+                                    device=target, batch_size=batch_size, on_batch=lambda n: progress.advance(task, n))
+        else:
+            scores = score_model(model, calibration, model_name=source.spec, batch_size=batch_size,
+                                 on_batch=lambda n: progress.advance(task, n))
     timings["score"] = time.perf_counter() - clock
     options = {"calib": calib, "seq_len": seq_len, "stride": calibration.stride, "samples": samples,
-               "dtype": dtype, "device": device, "batch_size": batch_size}
+               "dtype": dtype, "device": device, "batch_size": batch_size, "low_memory": low_memory}
     record_current_run(source.spec, source.path, scores.to_json(), options)
     return scores, timings
