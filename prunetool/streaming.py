@@ -17,6 +17,7 @@ The way sequential quantisers work, with transformers doing the architecture-spe
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import torch
 from torch import nn
@@ -134,6 +135,16 @@ def _owner(module: nn.Module, name: str) -> nn.Module:
     return module.get_submodule(path) if path else module
 
 
+def _return_freed_memory():
+    """glibc keeps freed activation blocks in its heap, so the resident set grows layer by layer;
+    malloc_trim hands them back. Elsewhere (macOS, musl) there is nothing to call."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return lambda: libc.malloc_trim(0)
+    except OSError:
+        return lambda: None
+
+
 class LayerStreamer:
     """Loads a decoder layer's tensors just before it runs and releases them right after.
 
@@ -146,6 +157,7 @@ class LayerStreamer:
         self.reader, self.layer_prefix, self.dtype, self.device = reader, layer_prefix, dtype, device
         self.init_weights = init_weights
         self.pool: dict[tuple, list[torch.Tensor]] = {}
+        self.trim = _return_freed_memory()
 
     def _take(self, like: torch.Tensor) -> torch.Tensor:
         free = self.pool.get((tuple(like.shape), like.dtype))
@@ -176,6 +188,7 @@ class LayerStreamer:
                 owner._parameters[attribute] = nn.Parameter(meta, requires_grad=False)
             else:
                 owner._buffers[attribute] = meta
+        self.trim()
 
 
 @dataclasses.dataclass
