@@ -18,12 +18,14 @@ import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from prunetool.errors import CalibrationError, OptionError
 from prunetool.network import hub_unavailable_reason
 from prunetool.paths import calibration_cache_dir, presets_dir
+
+if TYPE_CHECKING:
+    import torch
 
 SEED = 0
 LADDER_START = 12288  # generated sizes 12288, 49152, ... tokens: covers the default 16 scored + 4 held-out windows of 512
@@ -62,6 +64,7 @@ class _Request:
     seq_len: int
     stride: int
     samples: int
+    after_tokenizing: Callable[[], None] | None = None  # e.g. free the tokenizer before torch is imported
 
     @property
     def needed(self) -> int:
@@ -79,6 +82,8 @@ def make_windows(ids, *, seq_len: int, stride: int, samples: int) -> torch.Tenso
 
     Kept pure and this small so that a user holding the token stream can check any window by hand.
     """
+    import torch  # here, not at the top: `score --low-memory` tokenizes before torch is loaded
+
     _check_options(seq_len, stride, samples)
     stream = torch.as_tensor(ids, dtype=torch.long)
     if stream.dim() != 1:
@@ -93,6 +98,8 @@ def make_windows(ids, *, seq_len: int, stride: int, samples: int) -> torch.Tenso
 
 
 def _finish(stream: list[int], source: str, sha256: str, req: _Request) -> CalibrationSet:
+    if req.after_tokenizing is not None:
+        req.after_tokenizing()
     try:
         ids = make_windows(stream, seq_len=req.seq_len, stride=req.stride, samples=req.samples)
     except _TooShort as exc:
@@ -278,6 +285,7 @@ class _Tick:
 
 def _generate_batch(model, tokenizer, prompts: list[str], new_tokens: int, tick) -> list[str]:
     """Left-padded by hand so the caller's tokenizer is not mutated (it may have no pad token)."""
+    import torch
     from transformers import GenerationConfig, LogitsProcessorList
 
     eos = tokenizer.eos_token_id
@@ -302,6 +310,8 @@ def _generate_batch(model, tokenizer, prompts: list[str], new_tokens: int, tick)
 
 def generate_self_text(model, tokenizer, path: Path, rung: int, label: str) -> None:
     """Sample continuations of the shipped prompts with seed 0 and write them as JSONL (temp file, then rename)."""
+    import torch
+
     prompts = self_prompts()
     new_tokens = math.ceil(rung * GEN_MARGIN / len(prompts))
     device = torch.device(model.device)
@@ -347,11 +357,16 @@ def _load_generated(tokenizer, model, model_key: str | None, req: _Request) -> C
 
 
 def load_calibration(spec: str | None, tokenizer, *, seq_len: int = 512, stride: int | None = None,
-                     samples: int = 16, model=None, model_key: str | None = None) -> CalibrationSet:
-    """Resolve `spec` (None/"self", hf:..., an existing file, or a preset name) and cut the windows."""
+                     samples: int = 16, model=None, model_key: str | None = None,
+                     after_tokenizing: Callable[[], None] | None = None) -> CalibrationSet:
+    """Resolve `spec` (None/"self", hf:..., an existing file, or a preset name) and cut the windows.
+
+    `after_tokenizing` runs once the token stream exists and before torch is needed (it may run again if
+    a generated cache file turns out too short and the next one is tokenized).
+    """
     stride = seq_len if stride is None else stride
     _check_options(seq_len, stride, samples)
-    req = _Request(seq_len, stride, samples)
+    req = _Request(seq_len, stride, samples, after_tokenizing)
     if spec is not None and not spec.strip():
         raise CalibrationError("the calibration source is an empty string; omit it to use generated text")
     if spec is None or spec == "self":

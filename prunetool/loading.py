@@ -53,18 +53,6 @@ def quiet_transformers():
         logging.enable_progress_bar()
 
 
-def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
-    """The tokenizer alone (low-memory scoring never loads the model)."""
-    from transformers import AutoTokenizer
-
-    try:
-        with quiet_transformers():
-            return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelSourceError(f"cannot load the tokenizer of {source.spec} from {source.path}: {reason}") from error
-
-
 def load_model(source: ModelSource, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
     """Load the causal LM and its tokenizer; any loader failure becomes a one-line ModelSourceError."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
