@@ -136,6 +136,8 @@ def score(
     device: DeviceOpt = "auto",
     batch_size: BatchOpt = 1,
     drop: Annotated[Optional[int], typer.Option("--drop", help="Mark the N layers a default prune would remove (default: a quarter).")] = None,
+    low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
+                          "time from the checkpoint (same scores; needs cached or --calib text).")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the scores JSON here.")] = None,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
@@ -147,7 +149,7 @@ def score(
     started = time.perf_counter()
     scores, timings = run_score(
         model, calib=calib, seq_len=seq_len, stride=stride, samples=samples, dtype=dtype, device=device,
-        batch_size=batch_size, trust_remote_code=trust_remote_code, console=err,
+        batch_size=batch_size, trust_remote_code=trust_remote_code, console=err, low_memory=low_memory,
     )
     from prunetool.report import scores_table
     from prunetool.runs import write_json_atomic

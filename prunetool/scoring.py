@@ -81,11 +81,14 @@ def score_model(
     model_name: str,
     batch_size: int = 1,
     on_batch: Callable[[int], None] | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Scores:
     """Run every calibration window through the decoder stack (no LM head: scores need none)."""
     layout = inspect_decoder(model)
     decoder = model.get_decoder()
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device  # given when the model streams its layers from disk
+    dtype = dtype or next(model.parameters()).dtype
     windows = calibration.input_ids
     started = time.perf_counter()
     with capture_scores(layout) as taps:
@@ -109,7 +112,7 @@ def score_model(
         meta={
             "model_type": layout.model_type,
             "head_dim": layout.head_dim,
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "dtype": str(dtype).removeprefix("torch."),
             "device": str(device),
             "batch_size": batch_size,
             "forward_seconds": round(time.perf_counter() - started, 3),

@@ -1,4 +1,8 @@
-"""The stages wired together for the CLI: source -> model -> calibration -> scores -> current run."""
+"""The stages wired together for the CLI: source -> model -> calibration -> scores -> current run.
+
+torch-backed modules are imported inside run_score: `--low-memory` tokenizes the calibration text and
+frees the tokenizer before torch and transformers take their share of the process.
+"""
 
 import hashlib
 import re
@@ -8,12 +12,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from prunetool.architecture import inspect_decoder
 from prunetool.calibration import load_calibration
-from prunetool.loading import load_model
 from prunetool.runs import record_current_run
-from prunetool.scoring import Scores, score_model
 from prunetool.sources import resolve_model
+from prunetool.sources.tokenizer import FileTokenizer
 
 
 def model_key(source) -> str:
@@ -30,28 +32,49 @@ def window_progress(console: Console) -> Progress:
 
 
 def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_size, trust_remote_code,
-              console: Console) -> tuple[Scores, dict]:
-    """Score a model end to end and record it as the current run; returns the scores and stage timings."""
+              console: Console, low_memory: bool = False) -> tuple["Scores", dict]:
+    """Score a model end to end and record it as the current run; returns the scores and stage timings.
+
+    `low_memory` never loads the model: each decoder layer is read from the checkpoint when it runs
+    (streaming.py), so the default calibration text must already be cached or --calib given.
+    """
     timings = {}
     clock = time.perf_counter()
     source = resolve_model(spec, trust_remote_code=trust_remote_code)
-    model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    layout = inspect_decoder(model)  # refuse unsupported models before any calibration work
-    if not layout.tested:
-        console.print(f"[yellow]warning:[/] model_type '{layout.model_type}' is not in prunetool's tested set; "
-                      "its layout matched the generic rule", highlight=False)
+    if low_memory:
+        model, tokenizer = None, FileTokenizer(source.path)
+    else:
+        from prunetool.architecture import inspect_decoder
+        from prunetool.loading import load_model
+
+        model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        layout = inspect_decoder(model)  # refuse unsupported models before any calibration work
+        if not layout.tested:
+            console.print(f"[yellow]warning:[/] model_type '{layout.model_type}' is not in prunetool's tested set; "
+                          "its layout matched the generic rule", highlight=False)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=stride, samples=samples,
-                                   model=model, model_key=model_key(source))
+                                   model=model, model_key=model_key(source),
+                                   after_tokenizing=tokenizer.release if low_memory else None)
     timings["calibration"] = time.perf_counter() - clock
     clock = time.perf_counter()
     with window_progress(console) as progress:
         task = progress.add_task("scoring windows", total=calibration.windows)
-        scores = score_model(model, calibration, model_name=source.spec, batch_size=batch_size,
-                             on_batch=lambda n: progress.advance(task, n))
+        if low_memory:
+            from prunetool.loading import pick_device, pick_dtype
+            from prunetool.streaming import score_streamed
+
+            target = pick_device(device)
+            scores = score_streamed(source, calibration, model_name=source.spec, dtype=pick_dtype(dtype, target),
+                                    device=target, batch_size=batch_size, on_batch=lambda n: progress.advance(task, n))
+        else:
+            from prunetool.scoring import score_model
+
+            scores = score_model(model, calibration, model_name=source.spec, batch_size=batch_size,
+                                 on_batch=lambda n: progress.advance(task, n))
     timings["score"] = time.perf_counter() - clock
     options = {"calib": calib, "seq_len": seq_len, "stride": calibration.stride, "samples": samples,
-               "dtype": dtype, "device": device, "batch_size": batch_size}
+               "dtype": dtype, "device": device, "batch_size": batch_size, "low_memory": low_memory}
     record_current_run(source.spec, source.path, scores.to_json(), options)
     return scores, timings

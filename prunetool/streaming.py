@@ -1,0 +1,252 @@
+"""Score a model without holding it: one decoder layer in memory at a time, read from safetensors.
+
+The way sequential quantisers work, with transformers doing the architecture-specific parts:
+
+* The model is built on the meta device (no memory), so its own forward still computes masks, rotary
+  tables and the per-layer-type arguments exactly as a loaded model does.
+* Non-persistent buffers outside the layers (rotary frequencies, Gemma's embedding scale) are
+  materialised and recomputed with the model's own `_init_weights`; the final norm is read.
+* The embedding table is cut down to the rows the calibration windows use (read from the file,
+  never the whole table: Gemma 3's is 63% of its checkpoint) and the windows are renumbered into it.
+* A forward pre-hook reads each decoder layer's tensors just before it runs, a forward hook returns
+  it to the meta device right after. Each batch of windows reads every layer again: re-reading costs
+  little (the file stays in the page cache, which is not this process's memory), while one batch of
+  all windows would cost more activation memory than the layers save. The score hooks (capture.py)
+  see the same tensors as in the default path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import torch
+from torch import nn
+
+from prunetool.architecture import decoder_of
+from prunetool.errors import UnsupportedModelError
+from prunetool.surgery.tensors import find_decoder_prefix, read_weights
+
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+class CheckpointReader:
+    """Tensors by name from a (possibly sharded) safetensors checkpoint, read with plain file reads.
+
+    Not memory-mapped: pages of a mapped file that a copy touched stay in the process's resident set,
+    so mapping the checkpoint would bring the whole model into RSS after all.
+    """
+
+    def __init__(self, folder):
+        weights = read_weights(folder)
+        self.entries = {entry.name: (shard, entry) for shard in weights.shards for entry in shard.entries}
+        self.names = list(self.entries)
+
+    def _entry(self, name: str):
+        if name not in self.entries:
+            raise UnsupportedModelError(f"low-memory scoring expected a tensor named {name} in the checkpoint; "
+                                        "score without --low-memory")
+        shard, entry = self.entries[name]
+        dtype = DTYPES.get(entry.info["dtype"])
+        if dtype is None:
+            raise UnsupportedModelError(f"low-memory scoring cannot read {name} ({entry.info['dtype']}); "
+                                        "score without --low-memory")
+        return shard, entry, dtype
+
+    def _read(self, path, offset: int, length: int) -> bytearray:
+        buffer = bytearray(length)
+        with open(path, "rb", buffering=0) as stream:
+            stream.seek(offset)
+            view, done = memoryview(buffer), 0
+            while done < length:
+                got = stream.readinto(view[done:])
+                if not got:
+                    raise UnsupportedModelError(f"{path} ended early while reading; re-download the model")
+                done += got
+        return buffer
+
+    def read_into(self, name: str, target: torch.Tensor) -> None:
+        """Fill `target` (contiguous, CPU) with the tensor's bytes, converting dtype only when they differ."""
+        shard, entry, dtype = self._entry(name)
+        if list(target.shape) != list(entry.info["shape"]):
+            raise UnsupportedModelError(f"{name} has shape {entry.info['shape']} in the checkpoint but the model "
+                                        f"expects {list(target.shape)}")
+        if dtype != target.dtype or target.numel() == 0:
+            target.copy_(self.tensor(name))
+            return
+        start, end = entry.info["data_offsets"]
+        view = memoryview(target.view(-1).view(torch.uint8).numpy())
+        with open(shard.path, "rb", buffering=0) as stream:
+            stream.seek(shard.data_start + start)
+            done = 0
+            while done < end - start:
+                got = stream.readinto(view[done:])
+                if not got:
+                    raise UnsupportedModelError(f"{shard.path} ended early while reading; re-download the model")
+                done += got
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shard, entry, dtype = self._entry(name)
+        start, end = entry.info["data_offsets"]
+        data = self._read(shard.path, shard.data_start + start, end - start)
+        return torch.frombuffer(data, dtype=dtype).reshape(entry.info["shape"]) if end > start else \
+            torch.empty(entry.info["shape"], dtype=dtype)
+
+    def rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """Rows `indices` (sorted, unique) of a 2-D tensor, reading each contiguous run once."""
+        shard, entry, dtype = self._entry(name)
+        rows_total, width = entry.info["shape"]
+        row_bytes = width * torch.empty((), dtype=dtype).element_size()
+        base = shard.data_start + entry.info["data_offsets"][0]
+        runs, start = [], 0
+        values = indices.tolist()
+        for i in range(1, len(values) + 1):
+            if i == len(values) or values[i] != values[i - 1] + 1:
+                first, count = values[start], values[i - 1] + 1 - values[start]
+                data = self._read(shard.path, base + first * row_bytes, count * row_bytes)
+                runs.append(torch.frombuffer(data, dtype=dtype).reshape(count, width))
+                start = i
+        return torch.cat(runs, dim=0)
+
+
+def _load_module(module: nn.Module, reader: CheckpointReader, prefix: str, dtype, device, init_weights) -> None:
+    """Give a non-layer module real storage, read its parameters and persistent buffers, recompute the others."""
+    module.to_empty(device=device)
+    for submodule in module.modules():  # first: _init_weights may also (randomly) fill the module's parameters
+        if submodule._non_persistent_buffers_set:
+            init_weights(submodule)
+    with torch.no_grad():
+        for name, target in _persistent(module).items():
+            reader.read_into(prefix + name, target)
+
+
+def _persistent(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and the buffers a checkpoint stores, by name relative to `module`."""
+    return dict(module.named_parameters()) | {
+        name: buffer for name, buffer in module.named_buffers()
+        if name.rpartition(".")[2] not in _owner(module, name)._non_persistent_buffers_set
+    }
+
+
+def _owner(module: nn.Module, name: str) -> nn.Module:
+    path = name.rpartition(".")[0]
+    return module.get_submodule(path) if path else module
+
+
+def _return_freed_memory():
+    """glibc keeps freed activation blocks in its heap, so the resident set grows layer by layer;
+    malloc_trim hands them back. Elsewhere (macOS, musl) there is nothing to call."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return lambda: libc.malloc_trim(0)
+    except OSError:
+        return lambda: None
+
+
+class LayerStreamer:
+    """Loads a decoder layer's tensors just before it runs and releases them right after.
+
+    Released storage goes to a pool keyed by shape and dtype and is refilled for the next layer, so the
+    run allocates one layer's worth of weights once instead of churning the allocator (which, with
+    glibc, left freed layers in the heap and grew the resident set by the size of the model).
+    """
+
+    def __init__(self, reader: CheckpointReader, layer_prefix: str, dtype, device, init_weights):
+        self.reader, self.layer_prefix, self.dtype, self.device = reader, layer_prefix, dtype, device
+        self.init_weights = init_weights
+        self.pool: dict[tuple, list[torch.Tensor]] = {}
+        self.trim = _return_freed_memory()
+
+    def _take(self, like: torch.Tensor) -> torch.Tensor:
+        free = self.pool.get((tuple(like.shape), like.dtype))
+        return free.pop() if free else torch.empty(like.shape, dtype=like.dtype, device=self.device)
+
+    def load(self, index: int, layer: nn.Module) -> None:
+        prefix = f"{self.layer_prefix}{index}."
+        for submodule in layer.modules():
+            if submodule._non_persistent_buffers_set:  # rare inside layers; recomputed from the config
+                submodule.to_empty(device=self.device, recurse=False)
+                self.init_weights(submodule)
+        with torch.no_grad():
+            for name, meta in _persistent(layer).items():
+                storage = self._take(meta)
+                self.reader.read_into(prefix + name, storage)
+                owner, attribute = _owner(layer, name), name.rpartition(".")[2]
+                if attribute in owner._parameters:
+                    owner._parameters[attribute] = nn.Parameter(storage, requires_grad=False)
+                else:
+                    owner._buffers[attribute] = storage
+
+    def release(self, layer: nn.Module) -> None:
+        for name, tensor in _persistent(layer).items():
+            self.pool.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor.data)
+            owner, attribute = _owner(layer, name), name.rpartition(".")[2]
+            meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            if attribute in owner._parameters:
+                owner._parameters[attribute] = nn.Parameter(meta, requires_grad=False)
+            else:
+                owner._buffers[attribute] = meta
+        self.trim()
+
+
+@dataclasses.dataclass
+class StreamedModel:
+    model: nn.Module
+    remapped_ids: torch.Tensor  # calibration windows renumbered into the cut-down embedding table
+    device: torch.device
+
+
+def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, device: torch.device) -> StreamedModel:
+    """A meta-device model whose non-layer parts are real and whose layers load themselves when called."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    decoder = decoder_of(model)
+    text_config = model.config.get_text_config(decoder=True)
+    reader = CheckpointReader(source.path)
+    layer_prefix = find_decoder_prefix(reader.names, text_config.num_hidden_layers)  # e.g. "model.layers."
+    prefix = layer_prefix.removesuffix("layers.")
+
+    embed = decoder.get_input_embeddings()
+    used = torch.unique(input_ids)
+    embed_name = next(name for name, param in decoder.named_parameters() if param is embed.weight)
+    rows = reader.rows(prefix + embed_name, used).to(dtype)
+    embed.weight = nn.Parameter(torch.empty_like(rows, device=device), requires_grad=False)
+    embed.padding_idx = None  # the renumbered table has no padding row; it only matters for gradients
+    embed.num_embeddings = len(used)
+    for name, module in decoder.named_children():
+        if name == "layers":
+            continue
+        if module is embed:
+            embed.to_empty(device=device)
+            for submodule in embed.modules():
+                if submodule._non_persistent_buffers_set:
+                    model._init_weights(submodule)
+            with torch.no_grad():
+                embed.weight.copy_(rows)
+        else:
+            _load_module(module, reader, f"{prefix}{name}.", dtype, device, model._init_weights)
+
+    streamer = LayerStreamer(reader, layer_prefix, dtype, device, model._init_weights)
+    for index, layer in enumerate(decoder.layers):
+        layer.register_forward_pre_hook(lambda module, _args, index=index: streamer.load(index, module))
+        layer.register_forward_hook(lambda module, _args, _output: streamer.release(module))
+    return StreamedModel(model, torch.searchsorted(used, input_ids), device)
+
+
+def score_streamed(source, calibration, *, model_name: str, dtype: torch.dtype, device: torch.device,
+                   batch_size: int = 1, on_batch=None):
+    """Scores equal to `score_model` on the loaded model (to float rounding), with one layer in memory."""
+    from prunetool.scoring import score_model
+
+    streamed = build_streamed(source, calibration.input_ids, dtype=dtype, device=device)
+    renumbered = dataclasses.replace(calibration, input_ids=streamed.remapped_ids)
+    scores = score_model(streamed.model, renumbered, model_name=model_name, batch_size=batch_size,
+                         on_batch=on_batch, device=device, dtype=dtype)
+    scores.meta["low_memory"] = True
+    return scores
