@@ -153,7 +153,7 @@ def score(
     )
     from prunetool.report import scores_table
     from prunetool.runs import write_json_atomic
-    from prunetool.selection import default_drop_count, lowest, tappa_importance
+    from prunetool.selection import default_drop_count, guided_importance, lowest
 
     if drop is not None and drop >= scores.num_layers:
         raise OptionError(f"--drop {drop} must be below the number of layers ({scores.num_layers})")
@@ -163,15 +163,16 @@ def score(
     if json_out:
         typer.echo(json.dumps(data))
     else:
-        importance = tappa_importance(scores.column("block_influence"), scores.column("q_similarity"))
+        importance = guided_importance(scores.column("block_influence"), scores.column("q_similarity"))
         count = drop or default_drop_count(scores.num_layers)
         out.print(scores_table(scores, set(lowest(importance, count)), importance))
         calibration = scores.calibration
         out.print(f"calibration: {calibration['source']} (sha256 {calibration['sha256'][:12]}…), "
                   f"{calibration['windows']} windows x {calibration['seq_len']} tokens, stride {calibration['stride']}",
                   highlight=False, soft_wrap=True)
-        out.print(f"marked: the {count} layers `prunetool prune --drop {count}` would remove (lowest TAPPA BI', beta 0.3)",
-                  highlight=False)
+        out.print(f"marked: the {count} lowest-ranked layers (rank(BI) + 1 - rank(q-sim)), where `prunetool prune "
+                  f"--drop {count}` starts; it measures these and a few alternatives before choosing", highlight=False,
+                  soft_wrap=True)
     timings["total"] = time.perf_counter() - started
     err.print("time: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()), highlight=False)
     if output:
@@ -184,8 +185,11 @@ def prune(
     model: ModelArg = None,
     drop: Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers, chosen by --criterion.")] = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="Remove exactly these layers: 0-based original indices, e.g. 3,7,12.")] = None,
-    criterion: Annotated[str, typer.Option("--criterion", help="qsim, tappa, bi, angular, last or ppl (see docs/pruning.md).")] = "tappa",
-    beta: Annotated[float, typer.Option("--beta", help="TAPPA's weight on (1 - minmax(q-similarity)).")] = 0.3,
+    criterion: Annotated[str, typer.Option("--criterion", help="guided (default), qsim, tappa, bi, angular, last or ppl (docs/pruning.md).")] = "guided",
+    beta: Annotated[Optional[float], typer.Option("--beta", help="Weight on query self-similarity: tappa's (default 0.3) or guided's (default 1.0).")] = None,
+    shortlist: Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round.")] = 4,
+    refine_windows: Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity measurement.")] = 4,
+    blocks: Annotated[int, typer.Option("--blocks", help="guided: contiguous blocks measured beside the greedy path.")] = 3,
     scores: Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score --output`.")] = None,
     calib: CalibOpt = None,
     seq_len: SeqLenOpt = 512,
@@ -210,7 +214,7 @@ def prune(
 
     request = PruneRequest(model, drop, layers, criterion, beta, scores, calib, seq_len, stride, samples,
                            protect_first, protect_last, output, force, dry_run, verify, dtype, device,
-                           batch_size, trust_remote_code)
+                           batch_size, trust_remote_code, shortlist, refine_windows, blocks)
     result = run_prune(request, err)
     if json_out:
         typer.echo(json.dumps(result))

@@ -61,3 +61,25 @@ def minmax(values: torch.Tensor) -> torch.Tensor:
     if hi - lo <= 0:
         return torch.zeros_like(values)
     return (values - lo) / (hi - lo)
+
+
+def rank01(values: torch.Tensor) -> torch.Tensor:
+    """Ranks scaled to [0, 1] (0 = smallest; ties share their mean rank).
+
+    Unlike min-max, one extreme value (the first and last layers' large Block Influence) cannot squash
+    every other layer into a narrow band, so a second signal added to it keeps its say.
+    """
+    n = values.numel()
+    if n < 2:
+        return torch.zeros_like(values, dtype=torch.float64)
+    ranks = torch.empty(n, dtype=torch.float64)
+    ordered = sorted(range(n), key=lambda i: values[i].item())
+    start = 0
+    while start < n:
+        end = start
+        while end + 1 < n and values[ordered[end + 1]].item() == values[ordered[start]].item():
+            end += 1
+        for position in range(start, end + 1):
+            ranks[ordered[position]] = (start + end) / 2
+        start = end + 1
+    return ranks / (n - 1)

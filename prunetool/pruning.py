@@ -20,7 +20,8 @@ from prunetool.perplexity import perplexity
 from prunetool.plan import PrunePlan
 from prunetool.runs import load_current_run, record_current_run
 from prunetool.scoring import Scores, score_model
-from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
+from prunetool.selection import (CRITERIA, GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, make_plan, manual_plan,
+                                 parse_layers, validate_selection)
 from prunetool.sources import resolve_model
 from prunetool.sources.demo import find_alias
 from prunetool.surgery import write_pruned_checkpoint
@@ -36,7 +37,7 @@ class PruneRequest:
     drop: int | None
     layers: str | None
     criterion: str
-    beta: float
+    beta: float | None  # None: the criterion's own default
     scores_file: Path | None
     calib: str | None
     seq_len: int
@@ -52,6 +53,9 @@ class PruneRequest:
     device: str
     batch_size: int
     trust_remote_code: bool
+    shortlist: int = GUIDED_SHORTLIST  # guided only
+    refine_windows: int = GUIDED_WINDOWS
+    blocks: int = GUIDED_BLOCKS
 
 
 def starting_point(request: PruneRequest) -> tuple[str, Scores | None, dict]:
@@ -88,7 +92,8 @@ def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | N
     if request.layers is not None:
         return parse_layers(request.layers, num_layers)
     validate_selection(request.criterion, request.drop, num_layers, beta=request.beta,
-                       protect_first=request.protect_first, protect_last=request.protect_last)
+                       protect_first=request.protect_first, protect_last=request.protect_last,
+                       shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks)
     return None
 
 
@@ -109,14 +114,16 @@ def choose(request, spec, scores, model, calibration, console: Console) -> tuple
     """Run the criterion, scoring first when it ranks scores nobody recorded yet."""
     num_layers = scores.num_layers if scores is not None else model_layers(model)
     with window_progress(console) as progress:
-        if scores is None and CRITERIA[request.criterion].needs == "scores":
+        if scores is None and CRITERIA[request.criterion].needs in ("scores", "both"):
             task = progress.add_task("scoring windows", total=calibration.windows)
             scores = score_model(model, calibration, model_name=spec, batch_size=request.batch_size,
                                  on_batch=lambda n: progress.advance(task, n))
-        search = progress.add_task("perplexity search", total=None, visible=request.criterion == "ppl")
+        search = progress.add_task("perplexity search", total=None,
+                                   visible=CRITERIA[request.criterion].needs in ("model", "both"))
         plan = make_plan(spec, request.criterion, request.drop, scores=scores, model=model, calibration=calibration,
                          num_layers=num_layers, beta=request.beta, protect_first=request.protect_first,
                          protect_last=request.protect_last, batch_size=request.batch_size,
+                         shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
                          on_step=lambda done, total: progress.update(search, completed=done, total=total))
     return plan, scores
 
@@ -171,7 +178,8 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     manual = check_options(request, num_layers)
     writes = not request.dry_run
     ranked_needs = None if manual is not None else CRITERIA[request.criterion].needs
-    needs_model = (writes and request.verify) or ranked_needs == "model" or (ranked_needs == "scores" and scores is None)
+    needs_model = ((writes and request.verify) or ranked_needs in ("model", "both")
+                   or (ranked_needs == "scores" and scores is None))
     model = calibration = held_out = None
     if needs_model:
         model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,

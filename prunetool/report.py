@@ -21,7 +21,7 @@ def _column_range(values: list[float]) -> tuple[float, float]:
 
 
 def scores_table(scores, marked: set[int], importance: list[float]) -> Table:
-    """One row per layer: the layer metrics (bars on the two that drive pruning), TAPPA's BI', the mark.
+    """One row per layer: the layer metrics (bars on the two that drive pruning), the guided rank score, the mark.
 
     Fits an 80-column terminal for any layer count; the JSON output carries every metric in full.
     """
@@ -37,7 +37,7 @@ def scores_table(scores, marked: set[int], importance: list[float]) -> Table:
     ranges = {key: _column_range(scores.column(key)) for key, _, _ in columns}
     for _, header, _ in columns:
         table.add_column(header, no_wrap=True)
-    table.add_column("BI'", justify="right")
+    table.add_column("rank", justify="right")
     table.add_column("prune", no_wrap=True)
     for layer, value in zip(scores.layers, importance):
         index = layer["index"]

@@ -18,7 +18,7 @@ import torch
 
 from prunetool.architecture import decoder_of
 from prunetool.errors import OptionError, PrunetoolError
-from prunetool.metrics import minmax
+from prunetool.metrics import minmax, rank01
 from prunetool.plan import PrunePlan
 
 if TYPE_CHECKING:
@@ -26,12 +26,22 @@ if TYPE_CHECKING:
     from prunetool.scoring import Scores
 
 TAPPA_BETA = 0.3  # the value TAPPA (Yang et al., arXiv:2601.21709) used for Llama-3.1-8B
+GUIDED_BETA = 1.0  # guided: q-similarity weighs as much as Block Influence once both are ranks
+GUIDED_SHORTLIST = 4  # guided: candidates measured per round
+GUIDED_WINDOWS = 4  # guided: calibration windows per perplexity measurement
+GUIDED_BLOCKS = 3  # guided: contiguous blocks proposed beside the greedy path
 
 
 def tappa_importance(block_influence: list[float], q_similarity: list[float], beta: float = TAPPA_BETA) -> list[float]:
     """TAPPA's BI' = minmax(BI) + beta * (1 - minmax(qsim)): low BI' means redundant and predictable."""
     bi, qsim = torch.tensor(block_influence, dtype=torch.float64), torch.tensor(q_similarity, dtype=torch.float64)
     return (minmax(bi) + beta * (1 - minmax(qsim))).tolist()
+
+
+def guided_importance(block_influence: list[float], q_similarity: list[float], beta: float = GUIDED_BETA) -> list[float]:
+    """rank01(BI) + beta * (1 - rank01(qsim)): TAPPA's combination with ranks in place of min-max."""
+    bi, qsim = torch.tensor(block_influence, dtype=torch.float64), torch.tensor(q_similarity, dtype=torch.float64)
+    return (rank01(bi) + beta * (1 - rank01(qsim))).tolist()
 
 
 def lowest(values: list[float], count: int, candidates: Iterable[int] | None = None) -> list[int]:
@@ -62,8 +72,13 @@ class SelectionRequest:
     beta: float = TAPPA_BETA  # tappa only
     model: object = None  # ppl only
     windows: torch.Tensor | None = None  # ppl only: calibration input_ids (W, T)
-    batch_size: int = 1  # ppl only
-    on_step: Callable[[int, int], None] | None = None  # ppl only: (evaluations done, total)
+    batch_size: int = 1  # ppl and guided
+    on_step: Callable[[int, int], None] | None = None  # ppl and guided: (evaluations done, total)
+    shortlist: int = GUIDED_SHORTLIST  # guided only
+    refine_windows: int = GUIDED_WINDOWS  # guided only
+    rescore: bool = False  # guided only: re-score the pruned model before each round
+    blocks: int = GUIDED_BLOCKS  # guided only: contiguous candidate blocks measured
+    measured: dict | None = None  # guided and ppl: frozenset(removed) -> perplexity, shared across calls
 
     @property
     def candidates(self) -> list[int]:
@@ -137,6 +152,61 @@ def select_last(req: SelectionRequest) -> Selection:
     return Selection(tuple(range(req.block_end - req.count, req.block_end)), None)
 
 
+def _measure(req: SelectionRequest, windows: torch.Tensor, removed) -> float:
+    """Calibration perplexity with `removed` gone (in memory); NaN counts as infinitely bad.
+
+    `req.measured`, when given, remembers results by the removed set, so callers that select for several
+    drop counts on one model and one set of windows (the quality benchmark) measure each set once.
+    """
+    from prunetool.in_memory import layers_removed
+    from prunetool.perplexity import perplexity
+
+    key = frozenset(removed)
+    if req.measured is not None and key in req.measured:
+        return req.measured[key]
+    with layers_removed(req.model, list(removed)):
+        value = perplexity(req.model, windows, batch_size=req.batch_size)
+    value = math.inf if math.isnan(value) else value
+    if req.measured is not None:
+        req.measured[key] = value
+    return value
+
+
+class _Steps:
+    """Counts measurements for the progress callback."""
+
+    def __init__(self, req: SelectionRequest, total: int):
+        self.req, self.total, self.done = req, total, 0
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.req.on_step:
+            self.req.on_step(self.done, self.total)
+
+
+def _greedy_removal(req: SelectionRequest, windows: torch.Tensor, shortlist: Callable[[list[int], list[int]], list[int]],
+                    step: _Steps) -> tuple[list[int], list[float | None], float]:
+    """N rounds: each measures calibration perplexity with every shortlisted layer removed on top of those
+    already chosen, and removes the lowest for good (ties: lower index).
+
+    Returns the order, round one's value per layer (None where not measured) and the final perplexity.
+    """
+    removed: list[int] = []
+    remaining = req.candidates
+    first, last = None, math.nan
+    for _ in range(req.count):
+        trial = {}
+        for layer in shortlist(remaining, removed):
+            trial[layer] = _measure(req, windows, removed + [layer])
+            step()
+        best = min(trial, key=lambda i: (trial[i], i))
+        first = first or [trial.get(i) for i in range(req.num_layers)]
+        removed.append(best)
+        last = trial[best]
+        remaining = [i for i in remaining if i != best]
+    return removed, first, last
+
+
 def select_ppl(req: SelectionRequest) -> Selection:
     """SLEB-style greedy search (Song et al., arXiv:2402.09025): measure, do not predict.
 
@@ -146,38 +216,78 @@ def select_ppl(req: SelectionRequest) -> Selection:
     each layer alone (the first round); None for protected layers. It can overfit a small calibration
     set (baselines note), so the windows used are recorded in the plan.
     """
-    from prunetool.in_memory import layers_removed
-    from prunetool.perplexity import perplexity
-
-    removed: list[int] = []
-    remaining = req.candidates
-    total = sum(len(remaining) - k for k in range(req.count))
-    done, first = 0, None
-    for _ in range(req.count):
-        trial = {}
-        for layer in remaining:
-            with layers_removed(req.model, removed + [layer]):
-                trial[layer] = perplexity(req.model, req.windows, batch_size=req.batch_size)
-            done += 1
-            if req.on_step:
-                req.on_step(done, total)
-        best = min(remaining, key=lambda i: (math.inf if math.isnan(trial[i]) else trial[i], i))
-        first = first or [trial.get(i) for i in range(req.num_layers)]
-        removed.append(best)
-        remaining = [i for i in remaining if i != best]
+    step = _Steps(req, sum(len(req.candidates) - k for k in range(req.count)))
+    removed, first, _ = _greedy_removal(req, req.windows, lambda remaining, _: remaining, step)
     return Selection(tuple(removed), first, {"greedy_order": removed})
+
+
+def contiguous_blocks(values: list[float], count: int, start: int, end: int, best: int) -> list[tuple[int, ...]]:
+    """The `best` blocks [l, l+count) inside [start, end) with the lowest summed values (ties: lower l)."""
+    starts = range(start, end - count + 1)
+    ranked = sorted(starts, key=lambda l: (sum(values[l:l + count]), l))
+    return [tuple(range(l, l + count)) for l in ranked[:best]]
+
+
+def select_guided(req: SelectionRequest) -> Selection:
+    """prunetool's default: q-similarity and Block Influence propose, calibration perplexity decides.
+
+    Layers are ordered by guided_importance, rank01(BI) + beta * (1 - rank01(qsim)) (TAPPA's signal with
+    rank normalisation). Two kinds of candidate sets are proposed from that order and the one with the
+    lowest perplexity on the first `refine_windows` calibration windows is removed:
+    - a greedy path: N rounds, each measuring the `shortlist` lowest-ranked remaining layers removed on
+      top of those already chosen and keeping the best (SLEB's search, restricted to the shortlist);
+    - the `blocks` contiguous runs of N layers with the lowest summed importance (removing neighbours
+      together often costs less than their single-layer costs add up to, which greedy search misses).
+    Cost: N * shortlist + blocks evaluations of a few windows, against SLEB's sum_k (C-k) over all of
+    them. Values: the guided importance of every layer.
+    """
+    values = guided_importance(_column(req, "block_influence"), _column(req, "q_similarity"), req.beta)
+    size = max(1, req.shortlist)
+    windows = req.windows[: max(1, req.refine_windows)]
+    blocks = contiguous_blocks(values, req.count, req.protect_first, req.num_layers - req.protect_last, req.blocks)
+    step = _Steps(req, req.count * min(size, len(req.candidates)) + len(blocks))
+
+    def shortlist(remaining: list[int], removed: list[int]) -> list[int]:
+        current = _rescored_importance(req, removed, windows) if (req.rescore and removed) else values
+        return sorted(remaining, key=lambda i: (current[i], i))[:size]
+
+    order, _, greedy_ppl = _greedy_removal(req, windows, shortlist, step)
+    proposals = {tuple(sorted(order)): ("greedy", greedy_ppl)}
+    for block in blocks:
+        if block not in proposals:
+            proposals[block] = ("block", _measure(req, windows, block))
+        step()
+    chosen = min(proposals, key=lambda c: (proposals[c][1], c))
+    extra = {"greedy_order": order, "refine_windows": int(windows.shape[0]), "chosen_from": proposals[chosen][0],
+             "proposals": [{"removed": list(c), "kind": k, "perplexity": v} for c, (k, v) in proposals.items()]}
+    return Selection(chosen, values, extra)
+
+
+def _rescored_importance(req: SelectionRequest, removed: list[int], windows: torch.Tensor) -> dict[int, float]:
+    """guided_importance of the model with `removed` gone, scored on `windows`, by original layer index."""
+    from prunetool.calibration import CalibrationSet
+    from prunetool.in_memory import layers_removed
+    from prunetool.scoring import score_model
+
+    calibration = CalibrationSet("refine windows", "", int(windows.shape[1]), int(windows.shape[1]), windows)
+    with layers_removed(req.model, removed) as keep:
+        scores = score_model(req.model, calibration, model_name="refine", batch_size=req.batch_size)
+    values = guided_importance(scores.column("block_influence"), scores.column("q_similarity"), req.beta)
+    return dict(zip(keep, values))
 
 
 @dataclass(frozen=True)
 class Criterion:
     select: Callable[[SelectionRequest], Selection]
-    needs: str  # "scores", "model" (the model and calibration windows) or "nothing"
+    needs: str  # "scores", "model" (the model and calibration windows), "both" or "nothing"
     summary: str  # one line for --help and reports
     parameters: tuple[str, ...] = ()  # SelectionRequest fields recorded in the plan besides protection
     contiguous: bool = False  # removes one block that must keep the final layer
 
 
 CRITERIA: dict[str, Criterion] = {
+    "guided": Criterion(select_guided, "both", "q-similarity/BI rank proposes layer sets, calibration perplexity picks (default)",
+                        ("beta", "shortlist", "refine_windows", "blocks", "batch_size")),
     "qsim": Criterion(select_qsim, "scores", "highest query self-similarity (most predictable queries) first"),
     "tappa": Criterion(select_tappa, "scores", "TAPPA: lowest minmax(BI) + beta*(1 - minmax(qsim)) first", ("beta",)),
     "bi": Criterion(select_bi, "scores", "ShortGPT: lowest block influence first"),
@@ -189,13 +299,24 @@ CRITERIA: dict[str, Criterion] = {
 }
 
 
-def validate_selection(criterion: str, count: int, num_layers: int, *, beta: float = TAPPA_BETA,
-                       protect_first: int = 0, protect_last: int = 0) -> None:
+def default_beta(criterion: str) -> float:
+    """guided weighs ranks (GUIDED_BETA); tappa and everything else keep TAPPA's published 0.3."""
+    return GUIDED_BETA if criterion == "guided" else TAPPA_BETA
+
+
+def validate_selection(criterion: str, count: int, num_layers: int, *, beta: float | None = None,
+                       protect_first: int = 0, protect_last: int = 0, shortlist: int = GUIDED_SHORTLIST,
+                       refine_windows: int = GUIDED_WINDOWS, blocks: int = GUIDED_BLOCKS) -> None:
     """Every option check that needs no model and no scores, so a typo fails before minutes of loading."""
     if criterion not in CRITERIA:
         raise OptionError(f"unknown --criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
+    beta = default_beta(criterion) if beta is None else beta
     if not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
         raise OptionError(f"--beta must be a number >= 0 (TAPPA used 0.3), got {beta}")
+    for flag, value, least in (("--shortlist", shortlist, 1), ("--refine-windows", refine_windows, 1),
+                               ("--blocks", blocks, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise OptionError(f"{flag} must be a whole number >= {least}, got {value}")
     for flag, value in (("--protect-first", protect_first), ("--protect-last", protect_last)):
         if value < 0:
             raise OptionError(f"{flag} must be 0 or more, got {value}")
@@ -234,22 +355,27 @@ def _num_layers(scores: Scores | None, model, num_layers: int | None) -> int:
 
 def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | None = None, model=None,
               calibration: CalibrationSet | None = None, num_layers: int | None = None,
-              beta: float = TAPPA_BETA, protect_first: int = 0, protect_last: int = 0,
-              batch_size: int = 1, on_step: Callable[[int, int], None] | None = None) -> PrunePlan:
+              beta: float | None = None, protect_first: int = 0, protect_last: int = 0,
+              batch_size: int = 1, on_step: Callable[[int, int], None] | None = None,
+              shortlist: int = GUIDED_SHORTLIST, refine_windows: int = GUIDED_WINDOWS,
+              blocks: int = GUIDED_BLOCKS) -> PrunePlan:
     """Validate, run one criterion, and record how the layers were chosen in a PrunePlan."""
     total = _num_layers(scores, model, num_layers)
-    validate_selection(criterion, count, total, beta=beta, protect_first=protect_first, protect_last=protect_last)
+    beta = default_beta(criterion) if beta is None else beta
+    validate_selection(criterion, count, total, beta=beta, protect_first=protect_first, protect_last=protect_last,
+                       shortlist=shortlist, refine_windows=refine_windows, blocks=blocks)
     spec = CRITERIA[criterion]
-    if spec.needs == "scores" and scores is None:
+    if spec.needs in ("scores", "both") and scores is None:
         raise OptionError(f"--criterion {criterion} ranks recorded scores; score the model first")
-    if spec.needs == "model" and (model is None or calibration is None):
+    if spec.needs in ("model", "both") and (model is None or calibration is None):
         raise OptionError(f"--criterion {criterion} measures perplexity, so it needs the model and calibration windows")
     request = SelectionRequest(total, count, scores, protect_first, protect_last, beta, model,
-                               calibration.input_ids if calibration is not None else None, batch_size, on_step)
+                               calibration.input_ids if calibration is not None else None, batch_size, on_step,
+                               shortlist=shortlist, refine_windows=refine_windows, blocks=blocks)
     selection = spec.select(request)
     parameters = {"protect_first": protect_first, "protect_last": protect_last}
     parameters |= {name: getattr(request, name) for name in spec.parameters} | selection.extra
-    if spec.needs == "scores":
+    if spec.needs in ("scores", "both"):
         described = scores.calibration
     else:
         described = calibration.describe() if calibration is not None else None

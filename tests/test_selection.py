@@ -112,7 +112,7 @@ def test_last_is_the_block_before_the_final_layer():
     (dict(count=6), "below the number of layers"),
     (dict(count=3, protect_first=2, protect_last=2), "more than the 2 unprotected layers"),
     (dict(count=1, protect_first=3, protect_last=3), "more than the 0 unprotected"),
-    (dict(criterion="nope"), "qsim, tappa, bi, angular, last, ppl"),
+    (dict(criterion="nope"), "guided, qsim, tappa, bi, angular, last, ppl"),
     (dict(beta=-0.1), "--beta"),
     (dict(beta=float("nan")), "--beta"),
     (dict(protect_first=-1), "--protect-first"),
@@ -143,7 +143,7 @@ def test_make_plan_records_how_layers_were_chosen():
 
 
 def test_registry_is_complete():
-    assert list(CRITERIA) == ["qsim", "tappa", "bi", "angular", "last", "ppl"]
+    assert list(CRITERIA) == ["guided", "qsim", "tappa", "bi", "angular", "last", "ppl"]
 
 
 # ---------------------------------------------------------------- --layers
@@ -329,3 +329,99 @@ def test_ppl_criterion_respects_protection(tiny_checkpoint):
     assert set(plan.removed) <= {1, 2, 3} and steps[-1] == (5, 5)
     values = plan.criterion_values
     assert values[0] is None and values[4] is None and values[5] is None and None not in values[1:4]
+
+
+# ---------------------------------------------------------------- guided (the default)
+
+def test_rank01_ties_share_their_mean_rank():
+    from prunetool.metrics import rank01
+
+    assert rank01(torch.tensor([3.0, 1.0, 2.0, 2.0, 10.0])).tolist() == [0.75, 0.0, 0.375, 0.375, 1.0]
+    assert rank01(torch.tensor([5.0, 5.0, 5.0])).tolist() == [0.5, 0.5, 0.5]
+    assert rank01(torch.tensor([7.0])).tolist() == [0.0]
+    # one extreme value does not squash the rest, unlike min-max
+    assert rank01(torch.tensor([0.01, 0.02, 0.03, 100.0])).tolist() == pytest.approx([0, 1 / 3, 2 / 3, 1])
+
+
+def test_guided_importance_by_hand():
+    from prunetool.selection import guided_importance
+
+    bi, qsim = [0.9, 0.1, 0.2, 0.3], [0.5, 0.8, 0.6, 0.7]
+    # rank01(bi) = [1, 0, 1/3, 2/3]; 1 - rank01(qsim) = [1, 0, 2/3, 1/3]
+    assert guided_importance(bi, qsim, 1.0) == pytest.approx([2, 0, 1, 1])
+    assert guided_importance(bi, qsim, 0.0) == pytest.approx([1, 0, 1 / 3, 2 / 3])
+
+
+def test_contiguous_blocks_rank_by_summed_values_inside_bounds():
+    from prunetool.selection import contiguous_blocks
+
+    values = [5.0, 1.0, 1.0, 4.0, 0.5, 0.5, 9.0]
+    assert contiguous_blocks(values, 2, 0, 7, 3) == [(4, 5), (1, 2), (3, 4)]  # sums 1, 2, 4.5
+    assert contiguous_blocks(values, 2, 0, 5, 1) == [(1, 2)]  # (4, 5) would reach past the end
+    assert contiguous_blocks(values, 3, 2, 7, 9) == [(3, 4, 5), (2, 3, 4), (4, 5, 6)]
+    assert contiguous_blocks(values, 2, 0, 7, 0) == []
+
+
+def test_guided_with_everything_shortlisted_and_no_blocks_is_sleb(tiny_checkpoint):
+    model = _load(tiny_checkpoint, "qwen3")
+    windows = torch.randint(0, 300, (3, 12), generator=torch.Generator().manual_seed(5))
+    scores = _scores(qsim=[0.5, 0.1, 0.9, 0.3, 0.7, 0.2], bi=[0.9, 0.2, 0.1, 0.4, 0.3, 0.8])
+    sleb = make_plan("tiny", "ppl", 3, model=model, calibration=_calibration(windows))
+    guided = make_plan("tiny", "guided", 3, scores=scores, model=model, calibration=_calibration(windows),
+                       shortlist=6, refine_windows=3, blocks=0)
+    assert guided.removed == sleb.removed
+    assert guided.parameters["greedy_order"] == sleb.parameters["greedy_order"]
+
+
+def test_guided_chooses_the_best_measured_proposal(tiny_checkpoint):
+    """Against an independent rebuild: every proposal's perplexity, the greedy path, and the argmin."""
+    model = _load(tiny_checkpoint, "llama")
+    windows = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(7))
+    scores = _scores(qsim=[0.2, 0.9, 0.8, 0.1, 0.6, 0.3], bi=[0.9, 0.1, 0.2, 0.5, 0.3, 0.7])
+    steps = []
+    plan = make_plan("tiny", "guided", 2, scores=scores, model=model, calibration=_calibration(windows),
+                     shortlist=2, refine_windows=2, blocks=2, on_step=lambda done, total: steps.append((done, total)))
+    values = plan.criterion_values  # rank01(bi) + 1 - rank01(qsim)
+    order = sorted(range(6), key=lambda i: (values[i], i))
+    assert order[:2] == [1, 2]
+    # the greedy path by hand: the 2 lowest-ranked remaining layers per round, measured on a rebuilt model
+    first = {i: hand_perplexity(rebuild_pruned(model, [i]), windows) for i in order[:2]}
+    a = min(first, key=lambda i: (first[i], i))
+    rest = [i for i in order if i != a][:2]
+    second = {i: hand_perplexity(rebuild_pruned(model, [a, i]), windows) for i in rest}
+    b = min(second, key=lambda i: (second[i], i))
+    assert plan.parameters["greedy_order"] == [a, b]
+    proposals = {tuple(p["removed"]): p for p in plan.parameters["proposals"]}
+    assert tuple(sorted((a, b))) in proposals
+    for removed, proposal in proposals.items():
+        assert proposal["perplexity"] == pytest.approx(hand_perplexity(rebuild_pruned(model, list(removed)), windows),
+                                                       rel=1e-5)
+    best = min(proposals, key=lambda r: proposals[r]["perplexity"])
+    assert plan.removed == best and plan.parameters["chosen_from"] == proposals[best]["kind"]
+    assert [p["kind"] for p in plan.parameters["proposals"]].count("block") >= 1
+    assert steps[-1] == (6, 6)  # 2 rounds x 2 shortlisted + 2 blocks
+    assert {k: plan.parameters[k] for k in ("beta", "shortlist", "refine_windows", "blocks")} == \
+        {"beta": 1.0, "shortlist": 2, "refine_windows": 2, "blocks": 2}
+
+
+def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monkeypatch):
+    from prunetool.selection import SelectionRequest, select_guided
+
+    model = _load(tiny_checkpoint, "mistral")
+    windows = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(2))
+    scores = _scores(qsim=[0.2, 0.9, 0.8, 0.1, 0.6, 0.3], bi=[0.9, 0.1, 0.2, 0.5, 0.3, 0.7])
+    calls = []
+    real = perplexity_module.perplexity
+    monkeypatch.setattr(perplexity_module, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    memo: dict = {}
+    first = select_guided(SelectionRequest(6, 2, scores, model=model, windows=windows, measured=memo))
+    measured = len(calls)
+    again = select_guided(SelectionRequest(6, 2, scores, model=model, windows=windows, measured=memo))
+    assert again.removed == first.removed and len(calls) == measured == len(memo)
+
+
+@pytest.mark.parametrize("option, value, flag", [("shortlist", 0, "--shortlist"), ("refine_windows", 0, "--refine-windows"),
+                                                 ("blocks", -1, "--blocks")])
+def test_guided_options_are_checked(option, value, flag):
+    with pytest.raises(OptionError, match=flag):
+        validate_selection("guided", 2, 6, **{option: value})

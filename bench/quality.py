@@ -1,0 +1,364 @@
+"""Which layers should go? Every criterion side by side on real models, judged on held-out text.
+
+For each model: score once per calibration source (16 windows x 512 tokens), select layers with every
+criterion at each drop count, remove them in memory, and measure WikiText-2 test perplexity on fixed
+windows that no criterion ever sees. Results are cached in a JSON file keyed by model, criterion and
+drop count, so a rerun only computes what is missing (delete the file to start over).
+
+Run:   .venv/bin/python bench/quality.py                       # perplexity, both models (about 1.5 h on 2 cores)
+       .venv/bin/python bench/quality.py --accuracy            # adds lm-eval accuracy for the accuracy configs
+       .venv/bin/python bench/quality.py --report              # tables + plot from the cached results only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+RESULTS = ROOT / "bench" / "results" / "quality.json"
+PLOT = ROOT / "docs" / "quality.png"
+
+MODELS = {"smollm2-135m": (3, 6, 9), "gemma3-270m": (2, 4, 6)}
+CALIBRATIONS = {"c4": "c4_en_sample_1000.jsonl", "shakespeare": "tinyshakespeare_input.txt", "self": None}
+MAIN_CALIBRATION = "c4"
+SEQ_LEN, SAMPLES = 512, 16  # prunetool score's defaults
+EVAL_WINDOWS = 16  # fixed WikiText-2 test windows of SEQ_LEN tokens: the first 16 x 512 tokens
+RANDOM_SEEDS = 5
+PPL_WINDOWS = 4  # SLEB's greedy measures the same few calibration windows guided refines on (its default)
+ACCURACY_TASKS = "lambada_openai,arc_easy,piqa,winogrande"
+
+
+def criteria(beta_values=(0.1, 0.3, 1.0)) -> dict[str, dict]:
+    """Name -> how to select. `greedy` ones are sequential, so the largest drop count's order gives every smaller one."""
+    table = {"guided": {"criterion": "guided"}, "qsim": {"criterion": "qsim"}}
+    for beta in beta_values:
+        table[f"tappa-{beta:g}"] = {"criterion": "tappa", "beta": beta}
+    table |= {"bi": {"criterion": "bi"}, "angular": {"criterion": "angular"}, "last": {"criterion": "last"},
+              "ppl": {"criterion": "ppl"}}
+    return table
+
+
+def load_results() -> dict:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+
+
+def save_results(results: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(RESULTS)
+
+
+def eval_windows(tokenizer):
+    from prunetool.calibration import load_calibration
+
+    return load_calibration(str(DATA / "wikitext2-test.raw"), tokenizer, seq_len=SEQ_LEN, samples=EVAL_WINDOWS)
+
+
+def select(name: str, spec: dict, scores, model, calibration, drops, memo: dict) -> tuple[dict, float]:
+    """{drop: removed} for one criterion, and the seconds the selection took.
+
+    SLEB's greedy is sequential, so the largest drop count's order gives every smaller one. guided runs
+    once per drop count with a memo of measured sets (per number of windows), so shared greedy prefixes
+    are measured once; its time is the sum, an upper bound on what one drop count costs.
+    """
+    from prunetool.selection import CRITERIA, GUIDED_BETA, GUIDED_WINDOWS, TAPPA_BETA, SelectionRequest
+
+    criterion = CRITERIA[spec["criterion"]]
+    default_beta = GUIDED_BETA if spec["criterion"] == "guided" else TAPPA_BETA
+    sequential = spec["criterion"] == "ppl"
+    windows = spec.get("refine_windows", PPL_WINDOWS if sequential else GUIDED_WINDOWS)
+    started = time.perf_counter()
+    out = {}
+    for drop in ([max(drops)] if sequential else drops):
+        options = {k: spec[k] for k in ("shortlist", "refine_windows", "rescore", "blocks") if k in spec}
+        request = SelectionRequest(scores.num_layers, drop, scores, beta=spec.get("beta", default_beta), model=model,
+                                   windows=calibration.input_ids[:windows] if sequential else calibration.input_ids,
+                                   measured=memo.setdefault(windows, {}), **options)
+        chosen = criterion.select(request)
+        if sequential:
+            order = chosen.extra["greedy_order"]
+            out = {d: sorted(order[:d]) for d in drops}
+        else:
+            out[drop] = sorted(chosen.removed)
+    return out, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--only", default=None, help="comma-separated criteria to (re)compute")
+    parser.add_argument("--report", action="store_true", help="print tables and draw the plot from cached results")
+    parser.add_argument("--variant", action="append", default=[],
+                        help='a method experiment, NAME=JSON, e.g. g2={"criterion":"guided","beta":0.3}')
+    parser.add_argument("--accuracy", action="store_true")
+    parser.add_argument("--accuracy-limit", type=int, default=500)
+    args = parser.parse_args()
+    if args.report:
+        report(load_results())
+        return
+    for alias in args.models.split(","):
+        run_model(alias, args)
+
+
+def run_model(alias: str, args) -> None:
+    import torch
+
+    from prunetool.calibration import load_calibration
+    from prunetool.in_memory import layers_removed
+    from prunetool.loading import load_model
+    from prunetool.perplexity import perplexity
+    from prunetool.scoring import Scores, score_model
+    from prunetool.sources import resolve_model
+    from prunetool.workflow import model_key
+
+    torch.manual_seed(0)
+    results = load_results()
+    entry = results.setdefault(alias, {"scores": {}, "configs": {}})
+    source = resolve_model(alias)
+    model, tokenizer = load_model(source, dtype="float32", device="cpu")
+    drops = MODELS[alias]
+    evals = eval_windows(tokenizer)
+
+    def ppl(removed) -> float:
+        with layers_removed(model, removed):
+            return perplexity(model, evals.input_ids)
+
+    if "base" not in entry:
+        entry["base"] = ppl([])
+        entry["eval"] = evals.describe()
+        save_results(results)
+    log(f"{alias}: base perplexity {entry['base']:.2f}")
+
+    calibrations, scores = {}, {}
+    for label, file in CALIBRATIONS.items():
+        spec = None if file is None else str(DATA / file)
+        calibrations[label] = load_calibration(spec, tokenizer, seq_len=SEQ_LEN, samples=SAMPLES, model=model,
+                                               model_key=model_key(source))
+        if label not in entry["scores"]:
+            started = time.perf_counter()
+            entry["scores"][label] = score_model(model, calibrations[label], model_name=alias).to_json()
+            log(f"{alias}: scored {label} in {time.perf_counter() - started:.0f}s")
+            save_results(results)
+        scores[label] = Scores.from_json(entry["scores"][label])
+
+    calibration = calibrations[MAIN_CALIBRATION]
+    memo: dict = {}  # refine windows -> {frozenset(removed): calibration perplexity}
+    wanted = criteria()
+    extra = entry.setdefault("variants", {})  # method experiments recorded beside the criteria
+    for item in args.variant:
+        name, _, spec = item.partition("=")
+        extra[name] = json.loads(spec)
+    wanted |= {name: spec for name, spec in extra.items()}
+    only = set(args.only.split(",")) if args.only else None
+    for name, spec in wanted.items():
+        if only is not None and name not in only:
+            continue
+        done = entry["configs"].get(name)
+        if done and all(str(d) in done["drops"] for d in drops) and only is None:
+            continue
+        chosen, seconds = select(name, spec, scores[MAIN_CALIBRATION], model, calibration, drops, memo)
+        row = {"spec": spec, "select_seconds": seconds, "drops": {}}
+        for drop, removed in chosen.items():
+            row["drops"][str(drop)] = {"removed": removed, "ppl": ppl(removed)}
+        entry["configs"][name] = row
+        save_results(results)
+        log(f"{alias}: {name:12s} " + "  ".join(f"{d}:{row['drops'][str(d)]['ppl']:.1f}" for d in drops)
+            + f"  ({seconds:.0f}s selecting)")
+
+    if "random" not in entry["configs"] or (only and "random" in only):
+        row = {"spec": {"seeds": RANDOM_SEEDS}, "drops": {}}
+        for drop in drops:
+            runs = []
+            for seed in range(RANDOM_SEEDS):
+                removed = sorted(random.Random(seed).sample(range(scores[MAIN_CALIBRATION].num_layers), drop))
+                runs.append({"removed": removed, "ppl": ppl(removed)})
+            row["drops"][str(drop)] = {"ppl": statistics.mean(r["ppl"] for r in runs), "runs": runs}
+        entry["configs"]["random"] = row
+        save_results(results)
+        log(f"{alias}: random " + "  ".join(f"{d}:{row['drops'][str(d)]['ppl']:.1f}" for d in drops))
+
+    entry["calibration_shift"] = calibration_shift(scores, model, calibrations, drops)
+    save_results(results)
+    if args.accuracy:
+        run_accuracy(alias, model, tokenizer, entry, results, args.accuracy_limit)
+
+
+def calibration_shift(scores: dict, model, calibrations: dict, drops) -> dict:
+    """How much the layer choice moves with the calibration text: Spearman of the per-layer signals, and
+    overlap of the removed sets (|A & B| / N) against the main calibration."""
+    from prunetool.selection import CRITERIA, SelectionRequest
+
+    out = {}
+    main = scores[MAIN_CALIBRATION]
+    for label, other in scores.items():
+        if label == MAIN_CALIBRATION:
+            continue
+        row = {metric: spearman(main.column(metric), other.column(metric))
+               for metric in ("q_similarity", "q_similarity_post_rope", "block_influence")}
+        for name in ("bi", "tappa", "qsim"):
+            row[f"overlap_{name}"] = {
+                str(d): overlap(CRITERIA[name].select(SelectionRequest(main.num_layers, d, main)).removed,
+                                CRITERIA[name].select(SelectionRequest(main.num_layers, d, other)).removed)
+                for d in drops}
+        out[label] = row
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    import torch
+
+    from prunetool.metrics import rank01
+
+    ra, rb = rank01(torch.tensor(a)), rank01(torch.tensor(b))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / math.sqrt(float((ra * ra).sum() * (rb * rb).sum())))
+
+
+def overlap(a, b) -> float:
+    return len(set(a) & set(b)) / len(a)
+
+
+ACCURACY_CONFIGS = ("guided", "bi", "angular")  # at the middle drop count, beside the base model
+
+
+def run_accuracy(alias, model, tokenizer, entry, results, limit: int) -> None:
+    """lm-eval accuracy (local task copies) for the base and the ACCURACY_CONFIGS at the middle drop count."""
+    from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, make_lm
+    from prunetool.evaluation.tasks import plan_tasks
+    from prunetool.in_memory import layers_removed
+
+    plans, managers = plan_tasks(ACCURACY_TASKS.split(","), DATA), TaskManagers(DATA)
+    middle = str(MODELS[alias][1])
+    table = entry.setdefault("accuracy", {})
+    for name in ("base",) + ACCURACY_CONFIGS:
+        removed = [] if name == "base" else entry["configs"][name]["drops"][middle]["removed"]
+        key = "base" if name == "base" else f"{name}@{middle}"
+        if table.get(key, {}).get("limit") == limit and table[key].get("removed") == removed:
+            continue
+        started = time.perf_counter()
+        with layers_removed(model, removed):
+            merged, _ = evaluate_tasks(make_lm(model, tokenizer, "auto"), plans, managers, limit=limit, num_fewshot=None)
+        metrics = {task: {k.split(",")[0]: v for k, v in values.items()
+                          if k.split(",")[0] in ("acc", "acc_norm", "perplexity") and not k.startswith("alias")}
+                   for task, values in merged["results"].items()}
+        table[key] = {"removed": removed, "limit": limit, "metrics": metrics,
+                      "seconds": round(time.perf_counter() - started, 1)}
+        save_results(results)
+        log(f"{alias}: accuracy {key} " + ", ".join(f"{t} {m.get('acc', float('nan')):.3f}" for t, m in metrics.items()))
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+PEERS = ("bi", "angular", "tappa-0.3", "last")  # the issue's bar: the default must be no worse than the best of these
+LABELS = {"guided": "guided (default)", "tappa-0.3": "tappa (beta 0.3, as published)", "ppl": "ppl (SLEB greedy)",
+          "random": "random (mean of 5 seeds)"}
+
+
+def fmt(value: float) -> str:
+    return f"{value:.1f}" if value < 1e4 else f"{value:.1e}"
+
+
+def report(results: dict) -> None:
+    """Markdown tables (stdout) and the perplexity-against-drop plot (docs/quality.png)."""
+    for alias, entry in results.items():
+        drops = MODELS[alias]
+        configs = entry["configs"]
+        print(f"\n### {alias}: WikiText-2 perplexity after removing N layers (base {entry['base']:.2f})\n")
+        print("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " | selection s (all N) |")
+        print("|---|" + "---|" * (len(drops) + 1))
+        order = ["guided", "qsim", "tappa-0.1", "tappa-0.3", "tappa-1", "bi", "angular", "last", "ppl", "random"]
+        order += [name for name in configs if name not in order]
+        for name in order:
+            if name not in configs:
+                continue
+            row = configs[name]
+            cells = [fmt(row["drops"][str(d)]["ppl"]) if str(d) in row["drops"] else "-" for d in drops]
+            seconds = f"{row['select_seconds']:.0f}" if "select_seconds" in row else "-"
+            print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + f" | {seconds} |")
+        best = [min(configs[p]["drops"][str(d)]["ppl"] for p in PEERS if p in configs) for d in drops]
+        ours = [configs["guided"]["drops"][str(d)]["ppl"] for d in drops] if "guided" in configs else None
+        print("| best of bi, angular, tappa, last | " + " | ".join(fmt(v) for v in best) + " | |")
+        if ours:
+            verdict = ["yes" if o <= b * (1 + 1e-9) else f"no (+{100 * (o / b - 1):.1f}%)" for o, b in zip(ours, best)]
+            print("| guided no worse? | " + " | ".join(verdict) + " | |")
+        print(f"\nRemoved layers (0-based):\n")
+        print("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " |")
+        print("|---|" + "---|" * len(drops))
+        for name in order:
+            if name in configs and name != "random":
+                print(f"| {name} | " + " | ".join(
+                    ",".join(map(str, configs[name]["drops"][str(d)]["removed"])) for d in drops) + " |")
+        accuracy = entry.get("accuracy", {})
+        if accuracy:
+            tasks = ACCURACY_TASKS.split(",")
+            limits = sorted({row["limit"] for row in accuracy.values()})
+            print(f"\nlm-eval accuracy, first {'/'.join(map(str, limits))} documents per task (local copies; "
+                  "0-shot; acc, with acc_norm in brackets where lm-eval reports it)\n")
+            print("| model | " + " | ".join(tasks) + " | mean acc |")
+            print("|---|" + "---|" * (len(tasks) + 1))
+            for key, row in accuracy.items():
+                cells, accs = [], []
+                for task in tasks:
+                    metric = row["metrics"].get(task, {})
+                    accs.append(metric.get("acc", float("nan")))
+                    norm = f" ({metric['acc_norm']:.3f})" if "acc_norm" in metric else ""
+                    cells.append(f"{metric.get('acc', float('nan')):.3f}{norm}")
+                print(f"| {key} | " + " | ".join(cells) + f" | {sum(accs) / len(accs):.3f} |")
+        shift = entry.get("calibration_shift", {})
+        if shift:
+            print(f"\nCalibration sensitivity against {MAIN_CALIBRATION}: Spearman of per-layer scores, and the "
+                  "share of removed layers in common at each N\n")
+            print("| calibration | q-sim | post-RoPE q-sim | BI | " + " | ".join(f"{c} overlap" for c in ("bi", "tappa", "qsim"))
+                  + " |")
+            print("|---|---|---|---|---|---|---|")
+            for label, row in shift.items():
+                overlaps = ["/".join(f"{row[f'overlap_{c}'][str(d)]:.2f}" for d in drops) for c in ("bi", "tappa", "qsim")]
+                print(f"| {label} | {row['q_similarity']:.3f} | {row['q_similarity_post_rope']:.3f} | "
+                      f"{row['block_influence']:.3f} | " + " | ".join(overlaps) + " |")
+    plot(results)
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
+    axes = [axes] if len(results) == 1 else axes
+    styles = {"guided": ("black", "-", 2.5), "ppl": ("tab:gray", "--", 1.5), "random": ("tab:gray", ":", 1.5)}
+    for axis, (alias, entry) in zip(axes, results.items()):
+        drops = (0,) + MODELS[alias]
+        for name in ["guided", "qsim", "tappa-0.3", "bi", "angular", "last", "ppl", "random"]:
+            if name not in entry["configs"]:
+                continue
+            values = [entry["base"]] + [entry["configs"][name]["drops"][str(d)]["ppl"] for d in drops[1:]]
+            color, line, width = styles.get(name, (None, "-", 1.2))
+            axis.plot(drops, values, marker="o", label=LABELS.get(name, name), color=color, linestyle=line,
+                      linewidth=width)
+        axis.set_yscale("log")
+        axis.set_ylim(entry["base"] * 0.8, entry["base"] * 200)
+        axis.set_xticks(drops)
+        axis.set_xlabel("layers removed")
+        axis.set_ylabel("WikiText-2 perplexity (log scale)")
+        axis.set_title(f"{alias} ({len(entry['scores'][MAIN_CALIBRATION]['layers'])} layers), C4 calibration")
+        axis.grid(alpha=0.3)
+    axes[-1].legend(fontsize=8, loc="upper left")
+    figure.tight_layout()
+    figure.savefig(PLOT, dpi=110)
+    print(f"\nplot written to {PLOT.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
