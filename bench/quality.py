@@ -79,7 +79,7 @@ def select(name: str, spec: dict, scores, model, calibration, drops, memo: dict)
     started = time.perf_counter()
     out = {}
     for drop in ([max(drops)] if sequential else drops):
-        options = {k: spec[k] for k in ("shortlist", "refine_windows", "rescore", "blocks") if k in spec}
+        options = {k: spec[k] for k in ("shortlist", "refine_windows", "blocks") if k in spec}
         request = SelectionRequest(scores.num_layers, drop, scores, beta=spec.get("beta", default_beta), model=model,
                                    windows=calibration.input_ids[:windows] if sequential else calibration.input_ids,
                                    measured=memo.setdefault(windows, {}), **options)
@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="print tables and draw the plot from cached results")
     parser.add_argument("--variant", action="append", default=[],
                         help='a method experiment, NAME=JSON, e.g. g2={"criterion":"guided","beta":0.3}')
+    parser.add_argument("--shift-guided", action="store_true",
+                        help="also run guided on the other calibration texts and report how its choice moves")
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--accuracy-limit", type=int, default=500)
     args = parser.parse_args()
@@ -187,6 +189,15 @@ def run_model(alias: str, args) -> None:
         log(f"{alias}: random " + "  ".join(f"{d}:{row['drops'][str(d)]['ppl']:.1f}" for d in drops))
 
     entry["calibration_shift"] = calibration_shift(scores, model, calibrations, drops)
+    if args.shift_guided and "guided" in entry["configs"]:
+        for label in calibrations:
+            if label == MAIN_CALIBRATION:
+                continue
+            chosen, _ = select("guided", {"criterion": "guided"}, scores[label], model, calibrations[label], drops, {})
+            entry["calibration_shift"][label]["overlap_guided"] = {
+                str(d): overlap(chosen[d], entry["configs"]["guided"]["drops"][str(d)]["removed"]) for d in drops}
+            entry["calibration_shift"][label]["guided_removed"] = {str(d): chosen[d] for d in drops}
+            log(f"{alias}: guided on {label} calibration: " + "  ".join(f"{d}:{chosen[d]}" for d in drops))
     save_results(results)
     if args.accuracy:
         run_accuracy(alias, model, tokenizer, entry, results, args.accuracy_limit)
@@ -319,11 +330,12 @@ def report(results: dict) -> None:
         if shift:
             print(f"\nCalibration sensitivity against {MAIN_CALIBRATION}: Spearman of per-layer scores, and the "
                   "share of removed layers in common at each N\n")
-            print("| calibration | q-sim | post-RoPE q-sim | BI | " + " | ".join(f"{c} overlap" for c in ("bi", "tappa", "qsim"))
-                  + " |")
-            print("|---|---|---|---|---|---|---|")
+            kinds = ("guided", "bi", "tappa", "qsim")
+            print("| calibration | q-sim | post-RoPE q-sim | BI | " + " | ".join(f"{c} overlap" for c in kinds) + " |")
+            print("|---|---|---|---|" + "---|" * len(kinds))
             for label, row in shift.items():
-                overlaps = ["/".join(f"{row[f'overlap_{c}'][str(d)]:.2f}" for d in drops) for c in ("bi", "tappa", "qsim")]
+                overlaps = ["/".join(f"{row[f'overlap_{c}'][str(d)]:.2f}" for d in drops) if f"overlap_{c}" in row
+                            else "-" for c in kinds]
                 print(f"| {label} | {row['q_similarity']:.3f} | {row['q_similarity_post_rope']:.3f} | "
                       f"{row['block_influence']:.3f} | " + " | ".join(overlaps) + " |")
     plot(results)

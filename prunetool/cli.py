@@ -186,7 +186,7 @@ def prune(
     drop: Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers, chosen by --criterion.")] = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="Remove exactly these layers: 0-based original indices, e.g. 3,7,12.")] = None,
     criterion: Annotated[str, typer.Option("--criterion", help="guided (default), qsim, tappa, bi, angular, last or ppl (docs/pruning.md).")] = "guided",
-    beta: Annotated[Optional[float], typer.Option("--beta", help="Weight on query self-similarity: tappa's (default 0.3) or guided's (default 1.0).")] = None,
+    beta: Annotated[Optional[float], typer.Option("--beta", help="tappa and guided: weight on (1 - q-similarity), default 0.3.")] = None,
     shortlist: Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round.")] = 4,
     refine_windows: Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity measurement.")] = 4,
     blocks: Annotated[int, typer.Option("--blocks", help="guided: contiguous blocks measured beside the greedy path.")] = 3,

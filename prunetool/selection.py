@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from prunetool.scoring import Scores
 
 TAPPA_BETA = 0.3  # the value TAPPA (Yang et al., arXiv:2601.21709) used for Llama-3.1-8B
-GUIDED_BETA = 1.0  # guided: q-similarity weighs as much as Block Influence once both are ranks
+GUIDED_BETA = 0.3  # guided: TAPPA's published weight, now on ranks (bench/quality.py: 1.0 did worse on both models)
 GUIDED_SHORTLIST = 4  # guided: candidates measured per round
 GUIDED_WINDOWS = 4  # guided: calibration windows per perplexity measurement
 GUIDED_BLOCKS = 3  # guided: contiguous blocks proposed beside the greedy path
@@ -76,7 +76,6 @@ class SelectionRequest:
     on_step: Callable[[int, int], None] | None = None  # ppl and guided: (evaluations done, total)
     shortlist: int = GUIDED_SHORTLIST  # guided only
     refine_windows: int = GUIDED_WINDOWS  # guided only
-    rescore: bool = False  # guided only: re-score the pruned model before each round
     blocks: int = GUIDED_BLOCKS  # guided only: contiguous candidate blocks measured
     measured: dict | None = None  # guided and ppl: frozenset(removed) -> perplexity, shared across calls
 
@@ -245,11 +244,10 @@ def select_guided(req: SelectionRequest) -> Selection:
     size = max(1, req.shortlist)
     windows = req.windows[: max(1, req.refine_windows)]
     blocks = contiguous_blocks(values, req.count, req.protect_first, req.num_layers - req.protect_last, req.blocks)
-    step = _Steps(req, req.count * min(size, len(req.candidates)) + len(blocks))
+    step = _Steps(req, sum(min(size, len(req.candidates) - k) for k in range(req.count)) + len(blocks))
 
-    def shortlist(remaining: list[int], removed: list[int]) -> list[int]:
-        current = _rescored_importance(req, removed, windows) if (req.rescore and removed) else values
-        return sorted(remaining, key=lambda i: (current[i], i))[:size]
+    def shortlist(remaining: list[int], _removed: list[int]) -> list[int]:
+        return sorted(remaining, key=lambda i: (values[i], i))[:size]
 
     order, _, greedy_ppl = _greedy_removal(req, windows, shortlist, step)
     proposals = {tuple(sorted(order)): ("greedy", greedy_ppl)}
@@ -261,19 +259,6 @@ def select_guided(req: SelectionRequest) -> Selection:
     extra = {"greedy_order": order, "refine_windows": int(windows.shape[0]), "chosen_from": proposals[chosen][0],
              "proposals": [{"removed": list(c), "kind": k, "perplexity": v} for c, (k, v) in proposals.items()]}
     return Selection(chosen, values, extra)
-
-
-def _rescored_importance(req: SelectionRequest, removed: list[int], windows: torch.Tensor) -> dict[int, float]:
-    """guided_importance of the model with `removed` gone, scored on `windows`, by original layer index."""
-    from prunetool.calibration import CalibrationSet
-    from prunetool.in_memory import layers_removed
-    from prunetool.scoring import score_model
-
-    calibration = CalibrationSet("refine windows", "", int(windows.shape[1]), int(windows.shape[1]), windows)
-    with layers_removed(req.model, removed) as keep:
-        scores = score_model(req.model, calibration, model_name="refine", batch_size=req.batch_size)
-    values = guided_importance(scores.column("block_influence"), scores.column("q_similarity"), req.beta)
-    return dict(zip(keep, values))
 
 
 @dataclass(frozen=True)
@@ -300,7 +285,7 @@ CRITERIA: dict[str, Criterion] = {
 
 
 def default_beta(criterion: str) -> float:
-    """guided weighs ranks (GUIDED_BETA); tappa and everything else keep TAPPA's published 0.3."""
+    """guided's own default (GUIDED_BETA) or TAPPA's published 0.3; equal today, kept apart on purpose."""
     return GUIDED_BETA if criterion == "guided" else TAPPA_BETA
 
 

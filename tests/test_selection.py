@@ -381,7 +381,7 @@ def test_guided_chooses_the_best_measured_proposal(tiny_checkpoint):
     steps = []
     plan = make_plan("tiny", "guided", 2, scores=scores, model=model, calibration=_calibration(windows),
                      shortlist=2, refine_windows=2, blocks=2, on_step=lambda done, total: steps.append((done, total)))
-    values = plan.criterion_values  # rank01(bi) + 1 - rank01(qsim)
+    values = plan.criterion_values  # rank01(bi) + 0.3 * (1 - rank01(qsim))
     order = sorted(range(6), key=lambda i: (values[i], i))
     assert order[:2] == [1, 2]
     # the greedy path by hand: the 2 lowest-ranked remaining layers per round, measured on a rebuilt model
@@ -401,7 +401,7 @@ def test_guided_chooses_the_best_measured_proposal(tiny_checkpoint):
     assert [p["kind"] for p in plan.parameters["proposals"]].count("block") >= 1
     assert steps[-1] == (6, 6)  # 2 rounds x 2 shortlisted + 2 blocks
     assert {k: plan.parameters[k] for k in ("beta", "shortlist", "refine_windows", "blocks")} == \
-        {"beta": 1.0, "shortlist": 2, "refine_windows": 2, "blocks": 2}
+        {"beta": 0.3, "shortlist": 2, "refine_windows": 2, "blocks": 2}
 
 
 def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monkeypatch):
