@@ -135,7 +135,7 @@ def score(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     batch_size: BatchOpt = 1,
-    drop: Annotated[Optional[int], typer.Option("--drop", help="Mark the N layers a default prune would remove (default: a quarter).")] = None,
+    drop: Annotated[Optional[int], typer.Option("--drop", help="Mark the N lowest-ranked layers, where a default prune starts its search (default: a quarter).")] = None,
     low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
                           "time from the checkpoint (same scores; needs cached or --calib text).")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the scores JSON here.")] = None,
@@ -153,7 +153,7 @@ def score(
     )
     from prunetool.report import scores_table
     from prunetool.runs import write_json_atomic
-    from prunetool.selection import default_drop_count, guided_importance, lowest
+    from prunetool.selection import GUIDED_BETA, default_drop_count, guided_importance, lowest
 
     if drop is not None and drop >= scores.num_layers:
         raise OptionError(f"--drop {drop} must be below the number of layers ({scores.num_layers})")
@@ -170,7 +170,7 @@ def score(
         out.print(f"calibration: {calibration['source']} (sha256 {calibration['sha256'][:12]}…), "
                   f"{calibration['windows']} windows x {calibration['seq_len']} tokens, stride {calibration['stride']}",
                   highlight=False, soft_wrap=True)
-        out.print(f"marked: the {count} lowest-ranked layers (rank(BI) + 1 - rank(q-sim)), where `prunetool prune "
+        out.print(f"marked: the {count} lowest-ranked layers (rank(BI) + {GUIDED_BETA} * (1 - rank(q-sim))), where `prunetool prune "
                   f"--drop {count}` starts; it measures these and a few alternatives before choosing", highlight=False,
                   soft_wrap=True)
     timings["total"] = time.perf_counter() - started

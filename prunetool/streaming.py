@@ -17,19 +17,31 @@ The way sequential quantisers work, with transformers doing the architecture-spe
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import torch
 from torch import nn
 
 from prunetool.architecture import decoder_of
 from prunetool.errors import UnsupportedModelError
+from prunetool.memory import return_freed_memory
 from prunetool.surgery.tensors import find_decoder_prefix, read_weights
 
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
+
+
+def _read_exact(path, offset: int, view: memoryview) -> None:
+    """Fill `view` with the bytes of `path` from `offset` (plain reads, no memory map)."""
+    with open(path, "rb", buffering=0) as stream:
+        stream.seek(offset)
+        done = 0
+        while done < len(view):
+            got = stream.readinto(view[done:])
+            if not got:
+                raise UnsupportedModelError(f"{path} ended early while reading; re-download the model")
+            done += got
 
 
 class CheckpointReader:
@@ -57,14 +69,7 @@ class CheckpointReader:
 
     def _read(self, path, offset: int, length: int) -> bytearray:
         buffer = bytearray(length)
-        with open(path, "rb", buffering=0) as stream:
-            stream.seek(offset)
-            view, done = memoryview(buffer), 0
-            while done < length:
-                got = stream.readinto(view[done:])
-                if not got:
-                    raise UnsupportedModelError(f"{path} ended early while reading; re-download the model")
-                done += got
+        _read_exact(path, offset, memoryview(buffer))
         return buffer
 
     def read_into(self, name: str, target: torch.Tensor) -> None:
@@ -76,16 +81,8 @@ class CheckpointReader:
         if dtype != target.dtype or target.numel() == 0:
             target.copy_(self.tensor(name))
             return
-        start, end = entry.info["data_offsets"]
-        view = memoryview(target.view(-1).view(torch.uint8).numpy())
-        with open(shard.path, "rb", buffering=0) as stream:
-            stream.seek(shard.data_start + start)
-            done = 0
-            while done < end - start:
-                got = stream.readinto(view[done:])
-                if not got:
-                    raise UnsupportedModelError(f"{shard.path} ended early while reading; re-download the model")
-                done += got
+        start, _ = entry.info["data_offsets"]
+        _read_exact(shard.path, shard.data_start + start, memoryview(target.view(-1).view(torch.uint8).numpy()))
 
     def tensor(self, name: str) -> torch.Tensor:
         shard, entry, dtype = self._entry(name)
@@ -135,16 +132,6 @@ def _owner(module: nn.Module, name: str) -> nn.Module:
     return module.get_submodule(path) if path else module
 
 
-def _return_freed_memory():
-    """glibc keeps freed activation blocks in its heap, so the resident set grows layer by layer;
-    malloc_trim hands them back. Elsewhere (macOS, musl) there is nothing to call."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return lambda: libc.malloc_trim(0)
-    except OSError:
-        return lambda: None
-
-
 class LayerStreamer:
     """Loads a decoder layer's tensors just before it runs and releases them right after.
 
@@ -157,7 +144,6 @@ class LayerStreamer:
         self.reader, self.layer_prefix, self.dtype, self.device = reader, layer_prefix, dtype, device
         self.init_weights = init_weights
         self.pool: dict[tuple, list[torch.Tensor]] = {}
-        self.trim = _return_freed_memory()
 
     def _take(self, like: torch.Tensor) -> torch.Tensor:
         free = self.pool.get((tuple(like.shape), like.dtype))
@@ -188,7 +174,7 @@ class LayerStreamer:
                 owner._parameters[attribute] = nn.Parameter(meta, requires_grad=False)
             else:
                 owner._buffers[attribute] = meta
-        self.trim()
+        return_freed_memory()
 
 
 @dataclasses.dataclass

@@ -8,11 +8,11 @@ plain-text encoding without special tokens, and the EOS id. The ids equal AutoTo
 fast tokenizers transformers builds from the same file (tests/test_low_memory.py checks this).
 """
 
-import ctypes
 import json
 from pathlib import Path
 
 from prunetool.errors import ModelSourceError
+from prunetool.memory import return_freed_memory
 
 
 class FileTokenizer:
@@ -25,7 +25,6 @@ class FileTokenizer:
             raise ModelSourceError(f"--low-memory reads {self.file}, which does not exist; score without --low-memory")
         self._backend = None
         self.eos_token_id = self._special_id("eos_token")
-        self.pad_token_id = self._special_id("pad_token")
 
     @property
     def backend(self):
@@ -57,7 +56,4 @@ class FileTokenizer:
     def release(self) -> None:
         """Free the parsed tables now (they come back on the next call) and hand the pages back to the system."""
         self._backend = None
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:  # not glibc: nothing to trim
-            pass
+        return_freed_memory()
