@@ -66,24 +66,36 @@ def _layer_hooks(taps: LayerTaps, pending: dict):
     return pre_hook, post_hook
 
 
-def _attention_wrapper(implementation: str, taps_by_module: dict):
-    """Wrap the registered attention function so the post-RoPE query passes through our reduction."""
-    original = None if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+@contextmanager
+def attention_tap(layout: DecoderLayout, tap):
+    """Pass every attention call's post-RoPE query and key and its result through `tap(module, query, key, result)`.
+
+    Wraps the attention function registered for the model's implementation (eager included), so the
+    tap sees exactly what the kernel received. Taps nest: leaving restores whatever was registered before.
+    """
+    implementation = layout.attentions[0].config._attn_implementation or "eager"
+    before = ALL_ATTENTION_FUNCTIONS.get(implementation)
 
     def wrapper(module, query, key, value, attention_mask, **kwargs):
-        taps = taps_by_module.get(module)
-        if taps is not None:
-            taps.q_post.append(mean_pairwise_cosine(query).cpu())  # query: (B, H, T, D)
-        function = original or sys.modules[type(module).__module__].eager_attention_forward
-        return function(module, query, key, value, attention_mask, **kwargs)
+        function = before or sys.modules[type(module).__module__].eager_attention_forward
+        result = function(module, query, key, value, attention_mask, **kwargs)
+        tap(module, query, key, result)
+        return result
 
-    return wrapper
+    ALL_ATTENTION_FUNCTIONS[implementation] = wrapper
+    try:
+        yield
+    finally:
+        del ALL_ATTENTION_FUNCTIONS[implementation]
+        if ALL_ATTENTION_FUNCTIONS.get(implementation) is not before:
+            ALL_ATTENTION_FUNCTIONS[implementation] = before
 
 
 @contextmanager
 def capture_scores(layout: DecoderLayout):
     """Install the taps for every layer; yields one LayerTaps per layer."""
     taps = [LayerTaps() for _ in range(layout.num_layers)]
+    taps_by_attention = dict(zip(layout.attentions, taps))
     pending: dict = {}
     handles = []
     for layer, projection, layer_taps in zip(layout.layers, layout.query_projections, taps):
@@ -91,14 +103,18 @@ def capture_scores(layout: DecoderLayout):
         pre_hook, post_hook = _layer_hooks(layer_taps, pending)
         handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
-    implementation = layout.attentions[0].config._attn_implementation or "eager"
-    ALL_ATTENTION_FUNCTIONS[implementation] = _attention_wrapper(implementation, dict(zip(layout.attentions, taps)))
+
+    def post_rope_query(module, query, _key, _result):
+        layer_taps = taps_by_attention.get(module)
+        if layer_taps is not None:
+            layer_taps.q_post.append(mean_pairwise_cosine(query).cpu())  # query: (B, H, T, D)
+
     try:
-        yield taps
+        with attention_tap(layout, post_rope_query):
+            yield taps
     finally:
         for handle in handles:
             handle.remove()
-        del ALL_ATTENTION_FUNCTIONS[implementation]
 
 
 def check_complete(taps: list[LayerTaps], batches: int) -> None:

@@ -231,6 +231,52 @@ def prune(
               highlight=False, soft_wrap=True)
 
 
+@app.command()
+@handle_errors
+def heads(
+    model: ModelArg = None,
+    calib: CalibOpt = None,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="Analyse only these layers: 0-based indices, e.g. 0,5,12 (default: all).")] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Number of calibration windows.")] = 4,
+    seq_len: SeqLenOpt = 512,
+    kv_budget: Annotated[Optional[int], typer.Option("--kv-budget", help="Also write per-layer KV-cache budgets averaging "
+                         "this many tokens per layer: more where post-RoPE queries differ (TAPPA's rule).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Folder for heads.json, report.html with "
+                      "attention heatmaps, and kv_budget.json.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+    trust_remote_code: TrustOpt = False,
+):
+    """Explain layers head by head: attention pattern types, RoPE periods, positional vs symbolic heads, KV budgets."""
+    require_positive(samples=samples, seq_len=seq_len, kv_budget=kv_budget)
+    if seq_len < 16:
+        raise OptionError(f"--seq-len {seq_len} is too short to tell attention patterns apart; use at least 16 tokens")
+    if output is not None:
+        from prunetool.heads.publish import check_report_folder
+
+        check_report_folder(output, force)
+    from prunetool.report import heads_summary, heads_table
+    from prunetool.workflow import run_heads
+
+    started = time.perf_counter()
+    report = run_heads(model, calib=calib, seq_len=seq_len, samples=samples, layers=layers, kv_budget=kv_budget,
+                       dtype=dtype, device=device, trust_remote_code=trust_remote_code, console=err)
+    if output is not None:
+        from prunetool.heads.publish import publish_report
+
+        publish_report(output, report, force)
+    if json_out:
+        typer.echo(json.dumps(report.data))
+    else:
+        out.print(heads_table(report.data))
+        for line in heads_summary(report.data):
+            out.print(line, highlight=False, soft_wrap=True)
+    err.print(f"time: {time.perf_counter() - started:.1f}s" + (f"; report written to {output}" if output else ""),
+              highlight=False)
+
+
 @app.command("eval")
 @handle_errors
 def evaluate(

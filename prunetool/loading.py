@@ -53,8 +53,12 @@ def quiet_transformers():
         logging.enable_progress_bar()
 
 
-def load_model(source: ModelSource, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
-    """Load the causal LM and its tokenizer; any loader failure becomes a one-line ModelSourceError."""
+def load_model(source: ModelSource, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
+               attn_implementation: str | None = None):
+    """Load the causal LM and its tokenizer; any loader failure becomes a one-line ModelSourceError.
+
+    `attn_implementation='eager'` makes attention return its weights (the heads probe reads them).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = pick_device(device)
@@ -63,7 +67,8 @@ def load_model(source: ModelSource, *, dtype: str = "auto", device: str = "auto"
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(
-                source.path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+                source.path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                **({"attn_implementation": attn_implementation} if attn_implementation else {}),
             )
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -83,3 +83,18 @@ def rank01(values: torch.Tensor) -> torch.Tensor:
             ranks[ordered[position]] = (start + end) / 2
         start = end + 1
     return ranks / (n - 1)
+
+
+def pearson(x: list[float], y: list[float]) -> float | None:
+    """Pearson correlation; None when either side is constant or there are fewer than 3 points."""
+    a, b = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
+    if a.numel() < 3:
+        return None
+    a, b = a - a.mean(), b - b.mean()
+    denominator = a.norm() * b.norm()
+    return None if denominator <= 0 else (a @ b / denominator).item()
+
+
+def spearman(x: list[float], y: list[float]) -> float | None:
+    """Rank correlation (ties share their mean rank)."""
+    return pearson(rank01(torch.tensor(x)).tolist(), rank01(torch.tensor(y)).tolist())

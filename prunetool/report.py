@@ -164,3 +164,57 @@ def hop_table(report: dict) -> Table | None:
     for (kind, label), row in sorted(cells.items(), key=lambda item: (item[0][0], order.index(item[0][1]))):
         table.add_row(kind, label, *(f"{row[n]:.2f}" if n in row else "—" for n in lengths))
     return table
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def heads_table(data: dict) -> Table:
+    """One row per analysed layer: how many heads follow each pattern, mean q-similarity, swap labels, KV budget."""
+    budgets = {row["index"]: row["budget"] for row in data["kv_budget"]["layers"]} if data.get("kv_budget") else None
+    table = Table(title=f"{data['model']}: attention heads per layer ({data['num_heads']} heads, 0-based indices)",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("layer", justify="right")
+    for header in ("re-acc", "seq", "seas", "retr"):
+        table.add_column(header, justify="right")
+    table.add_column("q-sim", justify="right")
+    table.add_column("post", justify="right")  # post-RoPE q-sim; short so the table fits 80 columns
+    for header in ("pos", "sym", "mix"):
+        table.add_column(header, justify="right")
+    if budgets is not None:
+        table.add_column("KV", justify="right")
+    for layer in data["layers"]:
+        counts, swap = layer["patterns"], layer["swap"]
+        cells = [str(layer["index"])] + [str(counts[kind]) for kind in ("re-access", "sequential", "seasonal", "retrieval")]
+        cells += [_fmt(layer["q_similarity"]), _fmt(layer["q_similarity_post_rope"])]
+        cells += [str(swap.get(label, 0)) for label in ("positional", "symbolic", "mixed")]
+        if budgets is not None:
+            cells.append(str(budgets[layer["index"]]))
+        table.add_row(*cells)
+    return table
+
+
+def heads_summary(data: dict) -> list[str]:
+    """The lines under the table: the q-similarity vs pattern correlation and the seasonal periods."""
+    correlation = data["correlation"]
+    lines = [
+        f"q-similarity vs predictable (not retrieval) over {correlation['heads']} heads: Pearson pre-RoPE "
+        f"{_fmt(correlation['pre_rope']['pearson_vs_predictable'])}, post-RoPE "
+        f"{_fmt(correlation['post_rope']['pearson_vs_predictable'])}; per layer (share predictable) pre "
+        f"{_fmt(correlation['layers']['pearson_q_similarity_vs_predictable_share'])}, post "
+        f"{_fmt(correlation['layers']['pearson_post_rope_vs_predictable_share'])}",
+    ]
+    named = [row for row in data["seasonal"] if row["classified_seasonal"]]
+    if named:
+        pairs = ", ".join(f"L{row['layer']}H{row['head']} {row['measured_period']:.1f} vs {_fmt(row['predicted_period'], 1)}"
+                          for row in named[:8])
+        lines.append(f"seasonal heads, measured vs predicted period (tokens): {pairs}")
+    else:
+        lines.append(f"no head reaches the seasonal threshold; {len(data['seasonal'])} show a weaker comb of diagonals "
+                     "(periods in the JSON `seasonal` list)")
+    if data.get("kv_budget"):
+        budget = data["kv_budget"]
+        lines.append(f"KV budgets: {budget['kv_budget']} tokens per layer on average, {budget['total']} in all; "
+                     "more cache where recent queries differ (low post-RoPE q-similarity)")
+    return lines

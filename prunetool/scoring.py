@@ -54,7 +54,7 @@ def _per_window(chunks: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(chunks, dim=0).double()  # (W, ...) in window order
 
 
-def _summarise(taps: list[LayerTaps]) -> tuple[list[dict], dict, list[list[float]]]:
+def summarise_taps(taps: list[LayerTaps]) -> tuple[list[dict], dict, list[list[float]]]:
     """Mean over heads then windows (TAPPA's order), per-head means, and the angular distance matrix."""
     layers, heads = [], {"q_similarity": [], "q_similarity_post_rope": [], "q_similarity_lag1": []}
     for index, layer in enumerate(taps):
@@ -100,7 +100,7 @@ def score_model(
             if on_batch:
                 on_batch(len(batch))
     check_complete(taps, batches)
-    layers, heads, angular = _summarise(taps)
+    layers, heads, angular = summarise_taps(taps)
     return Scores(
         model=model_name,
         num_layers=layout.num_layers,

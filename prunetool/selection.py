@@ -372,8 +372,11 @@ def manual_plan(base_model: str, removed: Iterable[int], num_layers: int) -> Pru
     return PrunePlan(base_model, num_layers, tuple(removed), "manual")
 
 
-def parse_layers(text: str, num_layers: int) -> tuple[int, ...]:
-    """`--layers 3,7,12` -> (3, 7, 12): 0-based original indices, comma-separated, spaces allowed; sorted."""
+def parse_layers(text: str, num_layers: int, allow_all: bool = False) -> tuple[int, ...]:
+    """`--layers 3,7,12` -> (3, 7, 12): 0-based original indices, comma-separated, spaces allowed; sorted.
+
+    Removal must keep a layer; `allow_all` is for commands that only read the named layers.
+    """
     hint = f"indices are 0-based, 0..{num_layers - 1} for this {num_layers}-layer model"
     if not text.strip():
         raise OptionError(f"--layers is empty; give comma-separated layer indices such as 3,7,12 ({hint})")
@@ -392,6 +395,6 @@ def parse_layers(text: str, num_layers: int) -> tuple[int, ...]:
         if index in seen:
             raise OptionError(f"--layers {text!r}: layer {index} is listed twice")
         seen.append(index)
-    if len(seen) >= num_layers:
+    if len(seen) >= num_layers and not allow_all:
         raise OptionError(f"--layers names all {num_layers} layers; at least one must stay")
     return tuple(sorted(seen))

@@ -78,3 +78,39 @@ def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_siz
                "dtype": dtype, "device": device, "batch_size": batch_size, "low_memory": low_memory}
     record_current_run(source.spec, source.path, scores.to_json(), options)
     return scores, timings
+
+
+def layer_caps(config, seq_len: int, num_layers: int) -> list[int]:
+    """Tokens each layer can attend to: the window length, or less for a sliding-window layer."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    window = getattr(config, "sliding_window", None)
+    return [min(seq_len, window) if kind == "sliding_attention" and window else seq_len for kind in types]
+
+
+def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device, trust_remote_code,
+              console: Console):
+    """Probe every analysed layer's heads on calibration windows (eager attention) and build the report."""
+    from prunetool.architecture import inspect_decoder
+    from prunetool.heads.analysis import analyse
+    from prunetool.heads.budget import kv_budgets
+    from prunetool.heads.probe import probe_heads
+    from prunetool.loading import load_model
+    from prunetool.selection import parse_layers
+
+    source = resolve_model(spec, trust_remote_code=trust_remote_code)
+    model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                  attn_implementation="eager")
+    layout = inspect_decoder(model)
+    if not layout.tested:
+        console.print(f"[yellow]warning:[/] model_type '{layout.model_type}' is not in prunetool's tested set; "
+                      "its layout matched the generic rule", highlight=False)
+    selected = parse_layers(layers, layout.num_layers, allow_all=True) if layers else tuple(range(layout.num_layers))
+    caps = layer_caps(model.config.get_text_config(decoder=True), seq_len, layout.num_layers)
+    if kv_budget is not None:
+        kv_budgets([0.0] * layout.num_layers, kv_budget, caps)  # refuse an impossible budget before the slow part
+    calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples,
+                                   model=model, model_key=model_key(source))
+    with window_progress(console) as progress:
+        task = progress.add_task("probing heads", total=calibration.windows)
+        evidence = probe_heads(model, calibration.input_ids, selected, on_window=lambda: progress.advance(task))
+    return analyse(evidence, model=source.spec, calibration=calibration.describe(), kv_budget=kv_budget, caps=caps)
