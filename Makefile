@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/prunetool models
 	$(BIN)/prunetool score smollm2-135m --output demo-scores.json
+	$(BIN)/prunetool heads --kv-budget 128 --output demo-heads --force
 	$(BIN)/prunetool prune --drop 6 --output demo-pruned --force
 	$(BIN)/prunetool eval --limit 10 --output demo-eval.json
 
@@ -34,4 +35,4 @@ bench: setup
 	$(BIN)/python bench/score_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache demo-scores.json demo-pruned demo-eval.json
+	rm -rf $(VENV) .pytest_cache demo-scores.json demo-heads demo-pruned demo-eval.json

@@ -249,7 +249,10 @@ def heads(
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
-    """Explain layers head by head: attention pattern types, RoPE periods, positional vs symbolic heads, KV budgets."""
+    """Explain layers head by head: attention pattern types, RoPE periods, positional vs symbolic heads, KV budgets.
+
+    MODEL defaults to the current run's model (the last `prunetool score`), else smollm2-135m.
+    """
     require_positive(samples=samples, seq_len=seq_len, kv_budget=kv_budget)
     if seq_len < 16:
         raise OptionError(f"--seq-len {seq_len} is too short to tell attention patterns apart; use at least 16 tokens")

@@ -97,6 +97,14 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     from prunetool.loading import load_model
     from prunetool.selection import parse_layers
 
+    if spec is None:  # the current run's model, else the default demo model
+        from prunetool.errors import PrunetoolError
+        from prunetool.runs import load_current_run
+
+        try:
+            spec = load_current_run()["model"]
+        except PrunetoolError:
+            spec = None
     source = resolve_model(spec, trust_remote_code=trust_remote_code)
     model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                   attn_implementation="eager")
