@@ -70,12 +70,22 @@ def sensitivity(data: dict) -> list[str]:
     return lines
 
 
+def type_by_swap(data: dict) -> list[str]:
+    labels = ("positional", "symbolic", "mixed", "untested")
+    lines = ["| type | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    for kind in PATTERNS:
+        counts = Counter(head["swap"]["label"] for head in data["heads"] if head["type"] == kind)
+        lines.append(f"| {kind} | " + " | ".join(str(counts[label]) for label in labels) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("heads_json")
     data = json.loads(open(parser.parse_args().heads_json).read())
     for title, lines in (("pattern mix per layer", mix_table(data)), ("correlation", correlation_table(data)),
-                         ("seasonal combs", seasonal_table(data)), ("threshold sensitivity", sensitivity(data))):
+                         ("seasonal combs", seasonal_table(data)),
+                         ("pattern type by swap-test label", type_by_swap(data)), ("threshold sensitivity", sensitivity(data))):
         print(f"### {title}\n\n" + "\n".join(lines) + "\n")
 
 

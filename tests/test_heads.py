@@ -274,3 +274,13 @@ def test_heads_short_window_and_existing_output(tiny_checkpoint, calib_file, tmp
     result = runner.invoke(app, heads_args(model, calib_file, "--output", str(taken), "--force"))
     assert result.exit_code == 0, result.output
     assert not (taken / "keep.txt").exists() and (taken / "heads.json").is_file()
+
+
+def test_swap_blocks_cover_the_recent_tokens():
+    from prunetool.heads.swap import candidate_blocks
+
+    for seq_len, block in ((512, 8), (128, 2), (37, 4), (16, 1)):
+        starts = candidate_blocks(seq_len, block).tolist()
+        covered = {start + i for start in starts for i in range(block)}
+        assert seq_len - 2 in covered and 0 not in covered and seq_len - 1 not in covered
+        assert starts == sorted(starts) and all(b - a == block for a, b in zip(starts, starts[1:]))

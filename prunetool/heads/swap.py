@@ -23,8 +23,11 @@ def block_size(seq_len: int) -> int:
 
 
 def candidate_blocks(seq_len: int, block: int) -> torch.Tensor:
-    """Start of every whole block within [1, seq_len - 1): not the first token, not the query (the last)."""
-    return torch.arange(1, seq_len - 1 - block + 1, block)
+    """Starts of whole blocks tiling back from the query: [T-1-b, T-1), [T-1-2b, T-1-b), ... none before token 1.
+
+    Tiling from the query's end keeps the most recent tokens (a previous-token head's target) in a block.
+    """
+    return torch.arange(seq_len - 1 - block, 0, -block).flip(0)
 
 
 def choose_swaps(last_row: torch.Tensor, block: int) -> list[tuple[int, int]]:
