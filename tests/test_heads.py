@@ -18,6 +18,7 @@ from prunetool.heads.patterns import attention_profiles, classify, profile_rows
 from prunetool.heads.probe import probe_heads
 from prunetool.heads.rope import rope_angles
 from prunetool.scoring import score_model
+from test_cli import assert_one_line_error, calib_file  # noqa: F401 (calib_file is a fixture)
 from tiny_models import ARCHITECTURES
 
 runner = CliRunner()
@@ -207,16 +208,6 @@ def test_budget_errors():
 
 # --- the command ---------------------------------------------------------------------------------------
 
-PROSE = "The keeper counted the gulls on the pier while the boats came in with the tide. " * 60
-
-
-@pytest.fixture
-def calib_file(tmp_path):
-    path = tmp_path / "calib.txt"
-    path.write_text(PROSE)
-    return path
-
-
 def heads_args(model, calib, *extra):
     return ["heads", str(model), "--calib", str(calib), "--seq-len", "32", "--samples", "2", *extra]
 
@@ -241,14 +232,6 @@ def test_heads_table_and_layers(tiny_checkpoint, calib_file):
     assert "q-similarity vs predictable" in result.stdout
     rows = [line.split()[0] for line in result.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert rows == ["1", "4"]
-
-
-def assert_one_line_error(result, *words):
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    for word in words:
-        assert word.lower() in lines[0].lower(), lines[0]
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -284,3 +267,15 @@ def test_swap_blocks_cover_the_recent_tokens():
         covered = {start + i for start in starts for i in range(block)}
         assert seq_len - 2 in covered and 0 not in covered and seq_len - 1 not in covered
         assert starts == sorted(starts) and all(b - a == block for a, b in zip(starts, starts[1:]))
+
+
+def test_swap_reruns_in_chunks_give_the_same_verdicts(monkeypatch):
+    """Bounding the rerun's memory (one swapped copy per pass) must not change the swap test."""
+    import prunetool.heads.probe as probe
+
+    model, windows = build_handset_model(), handset_windows(windows=2)
+    whole = probe.probe_heads(model, windows, (0,)).selected[0].swaps
+    monkeypatch.setattr(probe, "SWAP_ATTENTION_BYTES", 1)
+    chunked = probe.probe_heads(model, windows, (0,)).selected[0].swaps
+    assert chunked.swaps == whole.swaps > 0
+    assert torch.allclose(chunked.positional, whole.positional) and torch.allclose(chunked.symbolic, whole.symbolic)

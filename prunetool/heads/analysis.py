@@ -61,7 +61,7 @@ def thresholds() -> dict:
 def analyse(evidence: HeadEvidence, *, model: str, calibration: dict, kv_budget: int | None,
             caps: list[int]) -> HeadsReport:
     layer_scores, head_scores, _ = summarise_taps(evidence.taps)
-    group = evidence.layout_heads // evidence.kv_heads
+    group = evidence.num_heads // evidence.kv_heads
     heads, layers, seasonal, thumbnails = [], [], [], {}
     for index, layer in sorted(evidence.selected.items()):
         column, offset = layer.column / layer.windows, layer.offset / layer.windows
@@ -70,10 +70,10 @@ def analyse(evidence: HeadEvidence, *, model: str, calibration: dict, kv_budget:
                                      else torch.zeros(layer.query_norms.shape[-1], dtype=torch.float64),
                                      longest_visible=offset.shape[-1] / MIN_TEETH)
         verdicts = layer.swaps.verdicts() if layer.swaps.swaps else [
-            {"positional": None, "symbolic": None, "label": "untested"}] * evidence.layout_heads
+            {"positional": None, "symbolic": None, "label": "untested"}] * evidence.num_heads
         counts = dict.fromkeys(PATTERNS, 0)
         labels = dict.fromkeys(SWAP_LABELS, 0)
-        for head in range(evidence.layout_heads):
+        for head in range(evidence.num_heads):
             pattern = classify(column[head], offset[head])
             counts[pattern.kind] += 1
             rope = channels[head] if layer.thetas is not None else {**channels[head], "theta": None, "period": None,
@@ -99,7 +99,7 @@ def analyse(evidence: HeadEvidence, *, model: str, calibration: dict, kv_budget:
             "index": index, "patterns": counts, "swap": labels,
             "q_similarity": layer_scores[index]["q_similarity"],
             "q_similarity_post_rope": layer_scores[index]["q_similarity_post_rope"],
-            "q_similarity_recent": sum(evidence.recent_similarity[index]) / evidence.layout_heads,
+            "q_similarity_recent": sum(evidence.recent_similarity[index]) / evidence.num_heads,
             "block_influence": layer_scores[index]["block_influence"],
             "swap_tests": layer.swaps.swaps,
         })
@@ -108,7 +108,7 @@ def analyse(evidence: HeadEvidence, *, model: str, calibration: dict, kv_budget:
         "model": model,
         "calibration": calibration,
         "num_layers": len(evidence.recent_similarity),
-        "num_heads": evidence.layout_heads,
+        "num_heads": evidence.num_heads,
         "num_kv_heads": evidence.kv_heads,
         "head_dim": evidence.head_dim,
         "thresholds": thresholds(),

@@ -25,6 +25,7 @@ from prunetool.metrics import mean_pairwise_cosine
 
 OVERVIEW = 128  # thumbnail of the whole map, average-pooled to at most this many pixels a side
 ZOOM = 64  # exact top-left corner: the first tokens, the sink column, short diagonals
+SWAP_ATTENTION_BYTES = 1 << 30  # swapped copies per rerun: as many as keep its attention weights under 1 GiB
 
 
 @dataclass
@@ -52,7 +53,7 @@ class _Probe:
     recent: list[list[torch.Tensor]]  # per layer: (B, H) post-RoPE q-similarity of the last queries
     rows: int
     mode: str = "probe"  # or "swap"
-    inputs: dict = field(default_factory=dict)  # layer -> (hidden, kwargs)
+    inputs: dict = field(default_factory=dict)  # layer -> (hidden, other layer kwargs, rotary dims)
     swapped: dict = field(default_factory=dict)  # layer -> (S, H, T) last rows of the swapped batch
     first_window: bool = True
 
@@ -111,17 +112,23 @@ def _swap_test(probe: _Probe, layer: int) -> None:
     swaps = choose_swaps(evidence.last_row, block)
     if not swaps:
         return
+    batch = swapped_states(hidden, swaps, block)
+    tokens = hidden.shape[1]
+    per_pass = max(1, SWAP_ATTENTION_BYTES // (probe.layout.num_heads * tokens * tokens * 4))
+    rows = []
     probe.mode = "swap"
     try:
-        probe.layout.layers[layer](swapped_states(hidden, swaps, block), **kwargs)
+        for start in range(0, len(swaps), per_pass):  # bound the eager (S, H, T, T) weights of one pass
+            probe.layout.layers[layer](batch[start : start + per_pass], **kwargs)
+            rows.append(probe.swapped.pop(layer))
     finally:
         probe.mode = "probe"
-    evidence.swaps.add(evidence.last_row, probe.swapped.pop(layer), swaps, block)
+    evidence.swaps.add(evidence.last_row, torch.cat(rows), swaps, block)
 
 
 @dataclass
 class HeadEvidence:
-    layout_heads: int
+    num_heads: int
     kv_heads: int
     head_dim: int
     selected: dict[int, LayerEvidence]
