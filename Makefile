@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/prunetool models
 	$(BIN)/prunetool score smollm2-135m --output demo-scores.json
-	$(BIN)/prunetool heads --kv-budget 128 --output demo-heads --force
+	$(BIN)/prunetool heads smollm2-135m --kv-budget 128 --output demo-heads --force
 	$(BIN)/prunetool prune --drop 6 --output demo-pruned --force
 	$(BIN)/prunetool eval --limit 10 --output demo-eval.json
 
