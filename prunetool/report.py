@@ -211,8 +211,9 @@ def heads_summary(data: dict) -> list[str]:
                           for row in named[:8])
         lines.append(f"seasonal heads, measured vs predicted period (tokens): {pairs}")
     else:
-        lines.append(f"no head reaches the seasonal threshold; {len(data['seasonal'])} show a weaker comb of diagonals "
-                     "(periods in the JSON `seasonal` list)")
+        combs = len(data["seasonal"])
+        lines.append(f"no head reaches the seasonal threshold; {combs} {'shows' if combs == 1 else 'show'} a weaker comb "
+                     "of diagonals (periods in the JSON `seasonal` list)")
     if data.get("kv_budget"):
         budget = data["kv_budget"]
         lines.append(f"KV budgets: {budget['kv_budget']} tokens per layer on average, {budget['total']} in all; "
