@@ -257,9 +257,9 @@ def heads(
     if seq_len < 16:
         raise OptionError(f"--seq-len {seq_len} is too short to tell attention patterns apart; use at least 16 tokens")
     if output is not None:
-        from prunetool.heads.publish import check_report_folder
+        from prunetool.surgery.output import check_free_folder
 
-        check_report_folder(output, force)
+        check_free_folder(output, force)
     from prunetool.report import heads_summary, heads_table
     from prunetool.workflow import run_heads
 

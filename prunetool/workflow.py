@@ -92,7 +92,7 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     """Probe every analysed layer's heads on calibration windows (eager attention) and build the report."""
     from prunetool.architecture import inspect_decoder
     from prunetool.heads.analysis import analyse
-    from prunetool.heads.budget import kv_budgets
+    from prunetool.heads.budget import check_kv_budget
     from prunetool.heads.probe import probe_heads
     from prunetool.loading import load_model
     from prunetool.selection import parse_layers
@@ -115,7 +115,7 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     selected = parse_layers(layers, layout.num_layers, allow_all=True) if layers else tuple(range(layout.num_layers))
     caps = layer_caps(model.config.get_text_config(decoder=True), seq_len, layout.num_layers)
     if kv_budget is not None:
-        kv_budgets([0.0] * layout.num_layers, kv_budget, caps)  # refuse an impossible budget before the slow part
+        check_kv_budget(kv_budget, caps)
     calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples,
                                    model=model, model_key=model_key(source))
     with window_progress(console) as progress:

@@ -69,15 +69,14 @@ def analyse(evidence: HeadEvidence, *, model: str, calibration: dict, kv_budget:
                                      layer.thetas if layer.thetas is not None
                                      else torch.zeros(layer.query_norms.shape[-1], dtype=torch.float64),
                                      longest_visible=offset.shape[-1] / MIN_TEETH)
-        verdicts = layer.swaps.verdicts() if layer.swaps.swaps else [
-            {"positional": None, "symbolic": None, "label": "untested"}] * evidence.num_heads
+        verdicts = layer.swaps.verdicts(evidence.num_heads)
         counts = dict.fromkeys(PATTERNS, 0)
         labels = dict.fromkeys(SWAP_LABELS, 0)
         for head in range(evidence.num_heads):
             pattern = classify(column[head], offset[head])
             counts[pattern.kind] += 1
-            rope = channels[head] if layer.thetas is not None else {**channels[head], "theta": None, "period": None,
-                                                                    "visible_channel": None, "visible_period": None}
+            # no cos/sin tables reached the layer: every channel was given theta 0, so no period is claimed
+            rope = channels[head] if layer.thetas is not None else {**channels[head], "theta": None}
             swap = verdicts[head]
             labels[swap["label"]] = labels.get(swap["label"], 0) + 1
             heads.append({

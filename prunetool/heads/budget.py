@@ -55,13 +55,18 @@ def whole_tokens(shares: list[float], caps: list[int]) -> list[int]:
     return floors
 
 
-def kv_budgets(similarity: list[float], per_layer: int, caps: list[int]) -> dict:
-    """The budget file: per layer P_l, the exact share, the whole-token budget; totals and the rule."""
+def check_kv_budget(per_layer: int, caps: list[int]) -> None:
+    """Refuse a budget no layer could use, before the slow probe runs."""
     if per_layer < 1:
         raise OptionError(f"--kv-budget must be at least 1 token per layer, got {per_layer}")
     if per_layer > max(caps):
         raise OptionError(f"--kv-budget {per_layer} exceeds the sequence length ({max(caps)}); "
                           "no layer can use more cache than the tokens it attends to")
+
+
+def kv_budgets(similarity: list[float], per_layer: int, caps: list[int]) -> dict:
+    """The budget file: per layer P_l, the exact share, the whole-token budget; totals and the rule."""
+    check_kv_budget(per_layer, caps)
     unpredictability = [1.0 - value for value in similarity]
     total = per_layer * len(similarity)
     shares = water_fill(unpredictability, total, caps)

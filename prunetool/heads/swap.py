@@ -82,8 +82,10 @@ class SwapTally:
             self.weight += weight
             self.swaps += 1
 
-    def verdicts(self) -> list[dict]:
-        """Per head: positional and symbolic agreement in [0, 1], and the label they give."""
+    def verdicts(self, heads: int) -> list[dict]:
+        """Per head: positional and symbolic agreement in [0, 1], and the label they give ("untested" without swaps)."""
+        if not self.swaps:
+            return [{"positional": None, "symbolic": None, "label": "untested"} for _ in range(heads)]
         result = []
         for pos, sym, weight in zip(self.positional.tolist(), self.symbolic.tolist(), self.weight.tolist()):
             if weight <= 0:

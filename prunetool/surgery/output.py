@@ -32,6 +32,11 @@ def check_output(source: Path, output: Path, force: bool) -> None:
         raise OptionError(f"output {output} is the source folder or inside it; choose a folder outside {source}")
     if out in src.parents:
         raise OptionError(f"output {output} contains the source folder {source}; choose another output folder")
+    check_free_folder(output, force)
+
+
+def check_free_folder(output: Path, force: bool) -> None:
+    """Refuse a file, or a non-empty folder without force: checked before any slow work starts."""
     if output.exists() and not output.is_dir():
         raise OptionError(f"output {output} exists and is not a folder; choose a folder name")
     if output.is_dir() and any(output.iterdir()) and not force:
