@@ -8,7 +8,7 @@ import argparse
 import json
 from collections import Counter
 
-from prunetool.heads.patterns import PATTERNS
+from prunetool.heads.patterns import PATTERNS, name_pattern
 
 
 def fmt(value, digits=3):
@@ -64,8 +64,7 @@ def sensitivity(data: dict) -> list[str]:
         counts = Counter()
         for head in data["heads"]:
             p = head["pattern"]
-            scores = {"re-access": p["re_access"], "sequential": p["sequential"], "seasonal": p["seasonal"]}
-            counts[max(scores, key=scores.get) if p["structure"] >= threshold else "retrieval"] += 1
+            counts[name_pattern(p["re_access"], p["sequential"], p["seasonal"], threshold)] += 1
         lines.append(f"| {threshold} | " + " | ".join(str(counts[kind]) for kind in PATTERNS) + " |")
     return lines
 

@@ -68,12 +68,7 @@ class HeadPattern:
 
     @property
     def structure(self) -> float:
-        """Share of attention on fixed places: stripes, the best diagonal, the comb's other diagonals.
-
-        The three parts are (nearly) disjoint: the stripes are key positions at least `rows` tokens back from
-        some analysed query, and the comb's score leaves out its strongest diagonal.
-        """
-        return min(1.0, self.re_access + self.sequential + self.seasonal)
+        return structure_share(self.re_access, self.sequential, self.seasonal)
 
     def to_json(self) -> dict:
         return {"type": self.kind, "structure": self.structure, "re_access": self.re_access, "sequential": self.sequential,
@@ -156,14 +151,28 @@ def seasonal_score(offset: torch.Tensor, candidates: int = 8) -> tuple[float, fl
     return best
 
 
+def structure_share(re_access: float, sequential: float, seasonal: float) -> float:
+    """Share of attention on fixed places: stripes, the best diagonal, the comb's other diagonals.
+
+    The three parts are (nearly) disjoint: the stripes are key positions at least `rows` tokens back from
+    some analysed query, and the comb's score leaves out its strongest diagonal.
+    """
+    return min(1.0, re_access + sequential + seasonal)
+
+
+def name_pattern(re_access: float, sequential: float, seasonal: float,
+                 threshold: float = STRUCTURE_THRESHOLD) -> str:
+    """retrieval if the three structures together explain less than `threshold`, else the largest (ties: this order)."""
+    if structure_share(re_access, sequential, seasonal) < threshold:
+        return "retrieval"
+    scores = {"re-access": re_access, "sequential": sequential, "seasonal": seasonal}
+    return max(scores, key=scores.get)
+
+
 def classify(column: torch.Tensor, offset: torch.Tensor) -> HeadPattern:
-    """Name a head's pattern from its window-averaged profiles: the largest structure, if together they reach the threshold."""
+    """Name a head's pattern from its window-averaged profiles."""
     re_access, positions = re_access_score(column)
     sequential, best_offset = sequential_score(offset)
     seasonal, period, teeth = seasonal_score(offset)
-    scores = {"re-access": re_access, "sequential": sequential, "seasonal": seasonal}
-    kind = max(scores, key=scores.get)  # ties keep the order above
-    pattern = HeadPattern(kind, re_access, sequential, seasonal, positions, best_offset, period, teeth)
-    if pattern.structure < STRUCTURE_THRESHOLD:
-        pattern = HeadPattern("retrieval", re_access, sequential, seasonal, positions, best_offset, period, teeth)
-    return pattern
+    kind = name_pattern(re_access, sequential, seasonal)
+    return HeadPattern(kind, re_access, sequential, seasonal, positions, best_offset, period, teeth)
