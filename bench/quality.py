@@ -70,7 +70,8 @@ def select(name: str, spec: dict, scores, model, calibration, drops, memo: dict)
     once per drop count with a memo of measured sets (per number of windows), so shared greedy prefixes
     are measured once; its time is the sum, an upper bound on what one drop count costs.
     """
-    from prunetool.selection import CRITERIA, GUIDED_BETA, GUIDED_WINDOWS, TAPPA_BETA, SelectionRequest
+    from prunetool.ranking import GUIDED_BETA, GUIDED_WINDOWS, TAPPA_BETA, SelectionRequest
+    from prunetool.selection import CRITERIA
 
     criterion = CRITERIA[spec["criterion"]]
     default_beta = GUIDED_BETA if spec["criterion"] == "guided" else TAPPA_BETA
@@ -120,7 +121,7 @@ def run_model(alias: str, args) -> None:
     from prunetool.perplexity import perplexity
     from prunetool.scoring import Scores, score_model
     from prunetool.sources import resolve_model
-    from prunetool.workflow import model_key
+    from prunetool.sources import model_key
 
     torch.manual_seed(0)
     results = load_results()
@@ -206,7 +207,8 @@ def run_model(alias: str, args) -> None:
 def calibration_shift(scores: dict, model, calibrations: dict, drops) -> dict:
     """How much the layer choice moves with the calibration text: Spearman of the per-layer signals, and
     overlap of the removed sets (|A & B| / N) against the main calibration."""
-    from prunetool.selection import CRITERIA, SelectionRequest
+    from prunetool.ranking import SelectionRequest
+    from prunetool.selection import CRITERIA
 
     out = {}
     main = scores[MAIN_CALIBRATION]

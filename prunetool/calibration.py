@@ -7,6 +7,7 @@ one token stream, and `make_windows` cuts the windows from it with a rule simple
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
     import torch
 
 SEED = 0
+HOLDOUT_WINDOWS = 4  # windows after the last scored one that selection never sees: prune's and eval's check
 LADDER_START = 12288  # generated sizes 12288, 49152, ... tokens: covers the default 16 scored + 4 held-out windows of 512
 GEN_MARGIN = 1.125  # generate 12.5% beyond the rung: re-tokenizing decoded text can come out a little shorter
+SMALL_RUNG_UNIT = 1024  # a run that needs little text (verification alone) generates a multiple of this
 GEN_BATCH = 32  # the 32 shipped prompts go in one batch; fewer, longer forward passes are faster on CPU
 
 
@@ -44,6 +47,8 @@ class CalibrationSet:
     seq_len: int
     stride: int
     input_ids: torch.Tensor  # int64 [windows, seq_len]
+    spec: str | None = None  # what the user asked for (--calib); None: the model's own generated text
+    held_out: torch.Tensor | None = None  # int64 [holdout, seq_len]: after the last window, never overlapping
 
     @property
     def windows(self) -> int:
@@ -54,9 +59,24 @@ class CalibrationSet:
         return self.windows * self.seq_len
 
     def describe(self) -> dict:
-        """What a run report needs to say which text the scores came from."""
-        return {"source": self.source, "sha256": self.sha256, "seq_len": self.seq_len,
+        """What a run report needs to say which text the scores came from (and how to load it again)."""
+        return {"source": self.source, "spec": self.spec, "sha256": self.sha256, "seq_len": self.seq_len,
                 "stride": self.stride, "windows": self.windows, "tokens": self.tokens}
+
+    def describe_held_out(self) -> dict | None:
+        """Where the held-out windows lie: from the first token after the last window, back to back."""
+        if self.held_out is None:
+            return None
+        first = heldout_start(self.seq_len, self.stride, self.windows)
+        count = int(self.held_out.shape[0])
+        return {"source": self.source, "spec": self.spec, "sha256": self.sha256, "seq_len": self.seq_len,
+                "stride": self.seq_len, "windows": count, "first_token": first,
+                "last_token": first + count * self.seq_len - 1,
+                "after_windows": self.windows, "after_stride": self.stride}
+
+    def first(self, count: int) -> "CalibrationSet":
+        """The first `count` windows (what a search measured), same text, no held-out part."""
+        return CalibrationSet(self.source, self.sha256, self.seq_len, self.stride, self.input_ids[:count], self.spec)
 
 
 @dataclass(frozen=True)
@@ -65,16 +85,26 @@ class _Request:
     stride: int
     samples: int
     after_tokenizing: Callable[[], None] | None = None  # e.g. free the tokenizer before torch is imported
+    holdout: int = 0  # windows of seq_len after the last scored token, back to back
+    spec: str | None = None
 
     @property
     def needed(self) -> int:
-        return (self.samples - 1) * self.stride + self.seq_len
+        return heldout_start(self.seq_len, self.stride, self.samples) + self.holdout * self.seq_len
 
 
-def _check_options(seq_len: int, stride: int, samples: int) -> None:
-    for flag, value in (("--seq-len", seq_len), ("--stride", stride), ("--samples", samples)):
-        if value < 1:
-            raise OptionError(f"{flag} must be at least 1, got {value}")
+def heldout_start(seq_len: int, stride: int, samples: int) -> int:
+    """The first token no window touches: held-out text starts here, so it can never overlap a window.
+
+    With no windows (a --remove-layers prune verifies on held-out text alone) it is token 0.
+    """
+    return (samples - 1) * stride + seq_len if samples > 0 else 0
+
+
+def _check_options(seq_len: int, stride: int, samples: int, least_samples: int = 1) -> None:
+    for flag, value, least in (("--seq-len", seq_len, 1), ("--stride", stride, 1), ("--samples", samples, least_samples)):
+        if value < least:
+            raise OptionError(f"{flag} must be at least {least}, got {value}")
 
 
 def make_windows(ids, *, seq_len: int, stride: int, samples: int) -> torch.Tensor:
@@ -101,10 +131,26 @@ def _finish(stream: list[int], source: str, sha256: str, req: _Request) -> Calib
     if req.after_tokenizing is not None:
         req.after_tokenizing()
     try:
-        ids = make_windows(stream, seq_len=req.seq_len, stride=req.stride, samples=req.samples)
+        if len(stream) < req.needed and req.holdout:
+            raise _TooShort(
+                f"calibration text is too short: {len(stream)} tokens available, {req.needed} needed "
+                f"({req.samples} windows of {req.seq_len} at stride {req.stride}, then {req.holdout} held-out "
+                f"windows of {req.seq_len} that never overlap them); lower --samples or --seq-len, or give more text")
+        ids = (make_windows(stream, seq_len=req.seq_len, stride=req.stride, samples=req.samples) if req.samples
+               else _no_windows(req.seq_len))
     except _TooShort as exc:
         raise _TooShort(f"{source}: {exc}") from None
-    return CalibrationSet(source, sha256, req.seq_len, req.stride, ids)
+    held_out = None
+    if req.holdout:
+        start = heldout_start(req.seq_len, req.stride, req.samples)
+        held_out = make_windows(stream[start:], seq_len=req.seq_len, stride=req.seq_len, samples=req.holdout)
+    return CalibrationSet(source, sha256, req.seq_len, req.stride, ids, req.spec, held_out)
+
+
+def _no_windows(seq_len: int) -> torch.Tensor:
+    import torch  # here, not at the top: `score --low-memory` tokenizes before torch is loaded
+
+    return torch.empty((0, seq_len), dtype=torch.long)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -259,6 +305,11 @@ def _rungs(needed: int) -> list[int]:
     return [rung, rung * 4]
 
 
+def _small_rung(needed: int) -> int:
+    """The smallest generated size for a run that needs only a few windows (a --remove-layers prune's checks)."""
+    return max(SMALL_RUNG_UNIT, -(-needed // SMALL_RUNG_UNIT) * SMALL_RUNG_UNIT)
+
+
 @contextmanager
 def _progress(total: int, label: str):
     """A transient bar on stderr: stdout stays clean for piping, and nothing lingers after the run."""
@@ -332,14 +383,20 @@ def generate_self_text(model, tokenizer, path: Path, rung: int, label: str) -> N
     print(f"generated calibration text in {time.monotonic() - start:.0f}s: {path}", file=sys.stderr)
 
 
-def _load_generated(tokenizer, model, model_key: str | None, req: _Request) -> CalibrationSet:
-    """Reuse a cached file that is long enough; otherwise generate the smallest rung that covers the request."""
+def _load_generated(tokenizer, model, model_key: str | None, req: _Request, small: bool) -> CalibrationSet:
+    """Reuse a cached file that is long enough; otherwise generate the smallest rung that covers the request.
+
+    `small`: generate just what the request needs (rounded up to SMALL_RUNG_UNIT) instead of the ladder's
+    first rung, for runs that only verify; a cached rung that is long enough is still used first.
+    """
     if not model_key:
         raise CalibrationError("the default calibration text is generated by the model and cached under its key; "
                                "pass a text file, a .jsonl file, hf:DATASET or a preset instead")
+    generated = [_small_rung(req.needed)] if small else _rungs(req.needed)
+    cached = sorted(set(generated) | set(_rungs(req.needed))) if small else generated
     last: CalibrationError | None = None
-    for may_generate in (False, True):
-        for rung in _rungs(req.needed):
+    for may_generate, rungs in ((False, cached), (True, generated)):
+        for rung in rungs:
             path = self_cache_path(model_key, rung)
             if not path.exists():
                 if not may_generate:
@@ -358,24 +415,28 @@ def _load_generated(tokenizer, model, model_key: str | None, req: _Request) -> C
 
 def load_calibration(spec: str | None, tokenizer, *, seq_len: int = 512, stride: int | None = None,
                      samples: int = 16, model=None, model_key: str | None = None,
-                     after_tokenizing: Callable[[], None] | None = None) -> CalibrationSet:
+                     after_tokenizing: Callable[[], None] | None = None, holdout: int = 0,
+                     small: bool = False) -> CalibrationSet:
     """Resolve `spec` (None/"self", hf:..., an existing file, or a preset name) and cut the windows.
 
+    `holdout` > 0 also cuts that many windows of `seq_len` starting at the first token after the last
+    window (CalibrationSet.held_out): text no window has seen, whatever the stride. `samples` may then be 0.
+    `small`: generated text only as long as this request needs (see _load_generated).
     `after_tokenizing` runs once the token stream exists and before torch is needed (it may run again if
     a generated cache file turns out too short and the next one is tokenized).
     """
     stride = seq_len if stride is None else stride
-    _check_options(seq_len, stride, samples)
-    req = _Request(seq_len, stride, samples, after_tokenizing)
+    _check_options(seq_len, stride, samples, least_samples=0 if holdout > 0 else 1)
+    req = _Request(seq_len, stride, samples, after_tokenizing, holdout, spec)
     if spec is not None and not spec.strip():
         raise CalibrationError("the calibration source is an empty string; omit it to use generated text")
     if spec is None or spec == "self":
-        return _load_generated(tokenizer, model, model_key, req)
+        return _load_generated(tokenizer, model, model_key, req, small)
     if spec.startswith("hf:"):
         return _load_hf(spec, tokenizer, req)
     path = Path(spec).expanduser()
-    if path.exists():
-        return _load_file(path, tokenizer, req)
+    if path.exists():  # recorded absolute, so a later command in another folder loads the same text
+        return _load_file(path, tokenizer, dataclasses.replace(req, spec=str(path.resolve())))
     presets = load_presets()
     if spec in presets:
         return _load_hf(presets[spec]["spec"], tokenizer, req, preset=spec)

@@ -11,29 +11,67 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from prunetool import __version__
 from prunetool.errors import OptionError, PrunetoolError
 
+out = Console()
+err = Console(stderr=True)
+DEBUG_ENV = "PRUNETOOL_DEBUG"
+USAGE_EXIT = 2  # a usage error (unknown option, missing value, bad number), as click and POSIX tools use
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors as one line and exit 2, like every other error, instead of typer's multi-line box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=False, **extra)
+            code = code if isinstance(code, int) else 0
+        except click.exceptions.NoArgsIsHelpError as error:
+            out.print(error.format_message(), highlight=False, markup=False)
+            code = 0
+        except click.UsageError as error:
+            where = f" (see `{error.ctx.command_path} --help`)" if error.ctx is not None else ""
+            err.print(f"[bold red]error:[/] {escape(error.format_message())}{escape(where)}", highlight=False,
+                      soft_wrap=True)
+            code = USAGE_EXIT
+        except click.ClickException as error:
+            err.print(f"[bold red]error:[/] {escape(error.format_message())}", highlight=False, soft_wrap=True)
+            code = error.exit_code
+        except click.Abort:
+            err.print("[bold red]interrupted[/]")
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
 app = typer.Typer(
     name="prunetool",
+    cls=OneLineErrors,
     help="Remove whole decoder layers from LLMs, chosen by query self-similarity, and explain why they could go.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
-out = Console()
-err = Console(stderr=True)
-DEBUG_ENV = "PRUNETOOL_DEBUG"
 
 # Options shared by commands, declared once.
-ModelArg = Annotated[
-    Optional[str],
-    typer.Argument(help="Local HF folder, hub id, .gguf file or demo alias (`prunetool models`); default smollm2-135m."),
-]
+MODEL_FORMS = "Local HF folder, hub id, .gguf file or demo alias (`prunetool models`)"
+ModelArg = Annotated[Optional[str], typer.Argument(help=f"{MODEL_FORMS}; default: smollm2-135m.", show_default=False)]
+PruneModelArg = Annotated[Optional[str], typer.Argument(
+    help=f"{MODEL_FORMS}; default: the current run's model and its scores (the last `prunetool score`).",
+    show_default=False)]
+HeadsModelArg = Annotated[Optional[str], typer.Argument(
+    help=f"{MODEL_FORMS}; default: the current run's model, else smollm2-135m.", show_default=False)]
 CalibOpt = Annotated[
     Optional[str],
     typer.Option("--calib", help="Text file, .jsonl (field `text`), hf:DATASET[:CONFIG][:SPLIT][:FIELD], a preset "
@@ -47,6 +85,19 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:
 BatchOpt = Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow a checkpoint's own Python code to run.")]
+# Old spellings, still accepted, no longer shown: --output meant a file for score/eval but a folder for
+# prune/heads, and --layers removed layers in prune but selected them in heads.
+OldOutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", hidden=True)]
+OldLayersOpt = Annotated[Optional[str], typer.Option("--layers", hidden=True)]
+PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also draw the per-layer scores to this PNG "
+                    "(needs the [plot] extra: pip install 'prunetool[plot]').")]
+
+
+def one_of(new_name: str, new, old_name: str, old):
+    """The value of an option given under its new name or its old hidden alias, never both."""
+    if new is not None and old is not None:
+        raise OptionError(f"give {new_name} once ({old_name} is its old spelling)")
+    return new if new is not None else old
 
 
 def _debugging() -> bool:
@@ -138,34 +189,45 @@ def score(
     drop: Annotated[Optional[int], typer.Option("--drop", help="Mark the N lowest-ranked layers, where a default prune starts its search (default: a quarter).")] = None,
     low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
                           "time from the checkpoint (same scores; needs cached or --calib text).")] = False,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the scores JSON here.")] = None,
+    output_file: Annotated[Optional[Path], typer.Option("--output-file", help="Write the scores JSON to this file.")] = None,
+    old_output: OldOutputOpt = None,
+    plot: PlotOpt = None,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
     """Score every layer (and head) by query self-similarity and its peers on calibration text."""
     require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size, drop=drop)
-    from prunetool.workflow import run_score
+    output = one_of("--output-file", output_file, "--output", old_output)
+    check_output_file(output, "--output-file")
+    if plot is not None:
+        from prunetool.plots import require_matplotlib
+
+        require_matplotlib()
+    from prunetool.commands.score import run_score
 
     started = time.perf_counter()
     scores, timings = run_score(
         model, calib=calib, seq_len=seq_len, stride=stride, samples=samples, dtype=dtype, device=device,
-        batch_size=batch_size, trust_remote_code=trust_remote_code, console=err, low_memory=low_memory,
+        batch_size=batch_size, trust_remote_code=trust_remote_code, console=err, low_memory=low_memory, drop=drop,
     )
+    from prunetool.checkpoint_io import write_json_atomic
+    from prunetool.ranking import GUIDED_BETA, default_drop_count, guided_importance, lowest
     from prunetool.report import scores_table
-    from prunetool.runs import write_json_atomic
-    from prunetool.selection import GUIDED_BETA, default_drop_count, guided_importance, lowest
 
-    if drop is not None and drop >= scores.num_layers:
-        raise OptionError(f"--drop {drop} must be below the number of layers ({scores.num_layers})")
     data = scores.to_json()
+    importance = guided_importance(scores.column("block_influence"), scores.column("q_similarity"))
+    count = drop or default_drop_count(scores.num_layers)
+    marked = lowest(importance, count)
     if output:
         write_json_atomic(output, data)
+    if plot is not None:
+        from prunetool.plots import plot_layer_scores
+
+        plot_layer_scores(data, plot, removed=marked, title=f"{scores.model}: the {count} lowest-ranked layers marked")
     if json_out:
         typer.echo(json.dumps(data))
     else:
-        importance = guided_importance(scores.column("block_influence"), scores.column("q_similarity"))
-        count = drop or default_drop_count(scores.num_layers)
-        out.print(scores_table(scores, set(lowest(importance, count)), importance))
+        out.print(scores_table(scores, set(marked), importance))
         calibration = scores.calibration
         out.print(f"calibration: {calibration['source']} (sha256 {calibration['sha256'][:12]}…), "
                   f"{calibration['windows']} windows x {calibration['seq_len']} tokens, stride {calibration['stride']}",
@@ -175,32 +237,46 @@ def score(
                   soft_wrap=True)
     timings["total"] = time.perf_counter() - started
     err.print("time: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()), highlight=False)
-    if output:
-        err.print(f"scores written to {output}", highlight=False)
+    for what, path in (("scores", output), ("plot", plot)):
+        if path:
+            err.print(f"{what} written to {path}", highlight=False)
+
+
+def check_output_file(path: Optional[Path], flag: str) -> None:
+    """A results file must not be a folder: refused before any slow work."""
+    if path is not None and path.is_dir():
+        raise OptionError(f"{flag} {path} is a folder; give a file name such as results.json")
 
 
 @app.command()
 @handle_errors
 def prune(
-    model: ModelArg = None,
+    model: PruneModelArg = None,
     drop: Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers, chosen by --criterion.")] = None,
-    layers: Annotated[Optional[str], typer.Option("--layers", help="Remove exactly these layers: 0-based original indices, e.g. 3,7,12.")] = None,
+    remove_layers: Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
+                             "original indices, e.g. 3,7,12.")] = None,
+    old_layers: OldLayersOpt = None,
     criterion: Annotated[str, typer.Option("--criterion", help="guided (default), qsim, tappa, bi, angular, last or ppl (docs/pruning.md).")] = "guided",
     beta: Annotated[Optional[float], typer.Option("--beta", help="tappa and guided: weight on (1 - q-similarity), default 0.3.")] = None,
     shortlist: Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round.")] = 4,
     refine_windows: Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity measurement.")] = 4,
     blocks: Annotated[int, typer.Option("--blocks", help="guided: contiguous blocks measured beside the greedy path.")] = 3,
-    scores: Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score --output`.")] = None,
+    scores: Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score --output-file`; "
+                      "its recorded calibration is used.")] = None,
     calib: CalibOpt = None,
     seq_len: SeqLenOpt = 512,
     stride: StrideOpt = None,
     samples: SamplesOpt = 16,
     protect_first: Annotated[int, typer.Option("--protect-first", help="Never remove the first K layers.")] = 0,
     protect_last: Annotated[int, typer.Option("--protect-last", help="Never remove the last K layers.")] = 0,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Folder to write (default ./NAME-pruned-N).")] = None,
+    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", help="Folder to write (default ./NAME-pruned-N).")] = None,
+    old_output: OldOutputOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder (never the source).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show which layers would go and why; write nothing.")] = False,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload, decode with and without cache, measure perplexity.")] = True,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload in --dtype on --device, decode with and "
+                      "without cache, measure held-out perplexity.")] = True,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw the per-layer scores, the removed layers and "
+                    "every candidate the search measured to this PNG (needs the [plot] extra).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     batch_size: BatchOpt = 1,
@@ -209,24 +285,42 @@ def prune(
 ):
     """Remove decoder layers and write a loadable safetensors checkpoint (0-based original indices throughout)."""
     require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size, drop=drop)
-    from prunetool.pruning import PruneRequest, run_prune
+    if plot is not None:
+        from prunetool.plots import require_matplotlib
+
+        require_matplotlib()
+    from prunetool.commands.prune import PruneRequest, run_prune
     from prunetool.report import perplexity_table, plan_table
 
-    request = PruneRequest(model, drop, layers, criterion, beta, scores, calib, seq_len, stride, samples,
-                           protect_first, protect_last, output, force, dry_run, verify, dtype, device,
-                           batch_size, trust_remote_code, shortlist, refine_windows, blocks)
+    request = PruneRequest(
+        model=model, drop=drop, layers=one_of("--remove-layers", remove_layers, "--layers", old_layers),
+        criterion=criterion, beta=beta, scores_file=scores, calib=calib, seq_len=seq_len, stride=stride,
+        samples=samples, protect_first=protect_first, protect_last=protect_last,
+        output=one_of("--output-dir", output_dir, "--output", old_output), force=force, dry_run=dry_run,
+        verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
+        shortlist=shortlist, refine_windows=refine_windows, blocks=blocks,
+    )
     result = run_prune(request, err)
-    if json_out:
-        typer.echo(json.dumps(result))
-        return
     plan = result["plan"]
+    if plot is not None:
+        from prunetool.plots import plot_prune
+
+        plot_prune(result["scores"], plan, plot)
+        err.print(f"plot written to {plot}", highlight=False)
+    if json_out:
+        typer.echo(json.dumps({key: value for key, value in result.items() if key != "scores"}))
+        return
     if dry_run:
         out.print(plan_table(plan))
         out.print("dry run: nothing written", highlight=False)
         return
     if result["perplexity"]:
         out.print(perplexity_table(result["perplexity"], plan["num_layers"], len(plan["kept"])))
-    checked = "verified (reload, layer count, cached = uncached decoding, perplexity)" if verify else "not verified"
+    checked = "not verified"
+    if verify:
+        checks = result["verification"]
+        checked = (f"verified in {checks['dtype']} on {checks['device']} (reload, layer count, cached = uncached "
+                   f"decoding, perplexity within {checks['perplexity_rtol']:g})")
     out.print(f"wrote {result['output']}: removed layers {plan['removed']} (0-based original indices); {checked}",
               highlight=False, soft_wrap=True)
 
@@ -234,34 +328,36 @@ def prune(
 @app.command()
 @handle_errors
 def heads(
-    model: ModelArg = None,
+    model: HeadsModelArg = None,
     calib: CalibOpt = None,
-    layers: Annotated[Optional[str], typer.Option("--layers", help="Analyse only these layers: 0-based indices, e.g. 0,5,12 (default: all).")] = None,
+    only_layers: Annotated[Optional[str], typer.Option("--only-layers", help="Analyse only these layers: 0-based "
+                           "indices, e.g. 0,5,12 (default: all).")] = None,
+    old_layers: OldLayersOpt = None,
     samples: Annotated[int, typer.Option("--samples", help="Number of calibration windows.")] = 4,
     seq_len: SeqLenOpt = 512,
     kv_budget: Annotated[Optional[int], typer.Option("--kv-budget", help="Also write per-layer KV-cache budgets averaging "
                          "this many tokens per layer: more where post-RoPE queries differ (TAPPA's rule).")] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Folder for heads.json, report.html with "
-                      "attention heatmaps, and kv_budget.json.")] = None,
+    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", help="Folder for heads.json, report.html with "
+                          "attention heatmaps, and kv_budget.json.")] = None,
+    old_output: OldOutputOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
-    """Explain layers head by head: attention pattern types, RoPE periods, positional vs symbolic heads, KV budgets.
-
-    MODEL defaults to the current run's model (the last `prunetool score`), else smollm2-135m.
-    """
+    """Explain layers head by head: attention pattern types, RoPE periods, positional vs symbolic heads, KV budgets."""
     require_positive(samples=samples, seq_len=seq_len, kv_budget=kv_budget)
     if seq_len < 16:
         raise OptionError(f"--seq-len {seq_len} is too short to tell attention patterns apart; use at least 16 tokens")
+    output = one_of("--output-dir", output_dir, "--output", old_output)
+    layers = one_of("--only-layers", only_layers, "--layers", old_layers)
     if output is not None:
-        from prunetool.surgery.output import check_free_folder
+        from prunetool.checkpoint_io import check_free_folder
 
         check_free_folder(output, force)
+    from prunetool.commands.heads import run_heads
     from prunetool.report import heads_summary, heads_table
-    from prunetool.workflow import run_heads
 
     started = time.perf_counter()
     report = run_heads(model, calib=calib, seq_len=seq_len, samples=samples, layers=layers, kv_budget=kv_budget,
@@ -284,7 +380,8 @@ def heads(
 @handle_errors
 def evaluate(
     models: Annotated[Optional[list[str]], typer.Argument(help="Models to evaluate (folders, hub ids, demo aliases); "
-                                                              "default: the current run's pruned model and its base.")] = None,
+                                                              "default: the current run's pruned model and its base.",
+                                                        show_default=False)] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated: wikitext, lambada_openai, arc_easy, "
                      "arc_challenge, piqa, winogrande (local with --data-dir), hop_number, hop_name (or e.g. hop_name_512), "
                      "heldout_ppl, or any lm-eval task (online).")] = None,
@@ -302,26 +399,28 @@ def evaluate(
                           "2048, or the model's context if shorter).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write lm-eval's results for each model "
-                      "plus a prunetool section to this JSON file.")] = None,
+    output_file: Annotated[Optional[Path], typer.Option("--output-file", help="Write lm-eval's results for each model "
+                           "plus a prunetool section to this JSON file.")] = None,
+    old_output: OldOutputOpt = None,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
     """Run lm-eval (offline on local data) and hop probes; the pruned model beside its base.
 
-    heldout_ppl uses the calibration windows after the scored ones: the current run's calibration when
-    MODEL is omitted, else --calib/--seq-len/--samples.
+    heldout_ppl uses the windows prune held out (after its selection windows, never overlapping them) when
+    MODEL is omitted, else the windows after --samples windows of --calib/--seq-len.
     """
     require_positive(seq_len=seq_len, samples=samples)
-    from prunetool.evaluation.compare import EvalRequest, jsonable, run_eval
+    output = one_of("--output-file", output_file, "--output", old_output)
+    check_output_file(output, "--output-file")
+    from prunetool.checkpoint_io import write_json_atomic
+    from prunetool.commands.eval import EvalRequest, jsonable, run_eval
     from prunetool.report import eval_table, hop_table
-    from prunetool.runs import write_json_atomic
 
-    if output is not None and output.is_dir():
-        raise OptionError(f"--output {output} is a folder; give a file name such as results.json")
     calibration = {"calib": calib, "seq_len": seq_len, "stride": seq_len, "samples": samples}
-    request = EvalRequest(list(models or []), tasks, data_dir, limit, num_fewshot, batch_size, max_length, calibration,
-                          dtype, device, trust_remote_code)
+    request = EvalRequest(models=list(models or []), tasks=tasks, data_dir=data_dir, limit=limit,
+                          num_fewshot=num_fewshot, batch_size=batch_size, max_length=max_length,
+                          calibration=calibration, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     report = jsonable(run_eval(request, err))
     if output is not None:
         write_json_atomic(output, report)

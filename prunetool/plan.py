@@ -14,10 +14,11 @@ class PrunePlan:
     base_model: str  # what the user named (alias, folder, hub id, .gguf)
     num_layers: int  # layers in the original model
     removed: tuple[int, ...]  # sorted, original 0-based indices
-    criterion: str  # "qsim", "tappa", ..., or "manual" for --layers
+    criterion: str  # "qsim", "tappa", ..., or "manual" for --remove-layers
     parameters: dict = field(default_factory=dict)  # e.g. {"beta": 0.3, "protect_first": 0}
     criterion_values: list[float] | None = None  # the per-layer values the criterion ranked, if any
     calibration: dict | None = None  # CalibrationSet.describe() of the scores used, if any
+    search_calibration: dict | None = None  # the windows a perplexity search measured (guided, ppl), if any
 
     def __post_init__(self):
         removed = tuple(sorted(self.removed))
@@ -52,5 +53,6 @@ class PrunePlan:
             "parameters": self.parameters,
             "criterion_values": self.criterion_values,
             "calibration": self.calibration,
+            "search_calibration": self.search_calibration,
             "indexing": "0-based indices of the original model",
         }

@@ -1,7 +1,13 @@
 """Check a written checkpoint the way its users will meet it: reload it, count layers, decode with and
-without the KV cache, and measure perplexity. Any mismatch is an error, never a warning."""
+without the KV cache, and measure perplexity. Any mismatch is an error, never a warning.
+
+The reload runs in the dtype and on the device the in-memory prune ran in, so the perplexity check
+compares like with like: the same weights through the same kernels, where only summation order may
+differ. Its tolerance therefore depends on the dtype (PERPLEXITY_RTOL) and is recorded in prune.json.
+"""
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,7 +18,30 @@ from prunetool.perplexity import perplexity
 
 GENERATE_TOKENS = 16
 PROMPT_TOKENS = 24
-PERPLEXITY_RTOL = 1e-4  # reloaded vs in-memory prune: same weights, so only float summation order differs
+# Relative tolerance of the reloaded model's perplexity against the in-memory prune's, per dtype. float32
+# sums agree to ~1e-6; half precision carries ~3 (bf16) or ~4 (fp16) significant digits per operation,
+# and reordered sums over a few thousand tokens move the mean NLL by a fraction of that.
+PERPLEXITY_RTOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+CACHE_LOGPROB_ATOL = 0.5  # half precision: cached vs uncached log-probabilities along one sequence
+
+
+@dataclass(frozen=True)
+class VerifySetting:
+    """Where and how the check runs: the same dtype and device as the in-memory measurement."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def rtol(self) -> float:
+        return PERPLEXITY_RTOL.get(self.dtype, PERPLEXITY_RTOL[torch.bfloat16])
+
+    def describe(self) -> dict:
+        described = {"dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                     "perplexity_rtol": self.rtol}
+        if self.dtype != torch.float32:
+            described["cache_logprob_atol"] = CACHE_LOGPROB_ATOL
+        return described
 
 
 def greedy(model, prompt: torch.Tensor, *, use_cache: bool) -> list[int]:
@@ -22,14 +51,37 @@ def greedy(model, prompt: torch.Tensor, *, use_cache: bool) -> list[int]:
     return output[0, prompt.shape[1]:].tolist()
 
 
+def cached_logprob_gap(model, prompt: torch.Tensor, continuation: list[int], setting: "VerifySetting") -> float:
+    """Half precision: feed one sequence token by token through the KV cache and all at once without it.
+
+    Greedy continuations may part ways at a near tie in half precision, so they are not compared; the
+    log-probabilities along one fixed sequence are. A stale layer index or layer type moves them by
+    whole units, rounding by far less than CACHE_LOGPROB_ATOL.
+    """
+    sequence = torch.cat([prompt, torch.tensor([continuation], device=prompt.device)], dim=1)
+    whole = torch.log_softmax(model(sequence, use_cache=False).logits[0, prompt.shape[1] - 1:-1].float(), -1)
+    output = model(prompt, use_cache=True)
+    steps = [output.logits[0, -1]]
+    for token in continuation[:-1]:
+        output = model(torch.tensor([[token]], device=prompt.device), past_key_values=output.past_key_values,
+                       use_cache=True)
+        steps.append(output.logits[0, -1])
+    stepped = torch.log_softmax(torch.stack(steps).float(), -1)
+    gap = float((stepped - whole).abs().max())
+    if not gap <= CACHE_LOGPROB_ATOL:
+        raise VerificationError(f"decoding with the KV cache gives log-probabilities up to {gap:.3f} away from "
+                                "decoding without it: stale layer indices or layer types in the written checkpoint")
+    return gap
+
+
 def verify_checkpoint(folder: Path, *, expected_layers: int, held_out: torch.Tensor | None,
-                      expected_perplexity: float | None) -> dict:
-    """Reload `folder` with transformers and run every check; returns what was measured."""
+                      expected_perplexity: float | None, setting: VerifySetting) -> dict:
+    """Reload `folder` with transformers in `setting`'s dtype and device and run every check."""
     from transformers import AutoModelForCausalLM
 
     try:
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=setting.dtype).eval().to(setting.device)
     except Exception as error:  # whatever the loader raises, the checkpoint is unusable
         raise VerificationError(f"the written checkpoint does not reload: {error}") from error
     layers = len(model.get_decoder().layers)
@@ -38,17 +90,23 @@ def verify_checkpoint(folder: Path, *, expected_layers: int, held_out: torch.Ten
         raise VerificationError(f"the reloaded checkpoint has {layers} layers (config says {configured}), "
                                 f"expected {expected_layers}")
     prompt = held_out[:1, :PROMPT_TOKENS] if held_out is not None else torch.tensor([[1, 2, 3, 4]])
+    prompt = prompt.to(setting.device)
     with torch.inference_mode(), quiet_transformers():
-        cached, uncached = greedy(model, prompt, use_cache=True), greedy(model, prompt, use_cache=False)
-    if cached != uncached:
-        raise VerificationError(f"greedy decoding with the KV cache ({cached}) differs from decoding without "
-                                f"it ({uncached}): stale layer indices or layer types in the written checkpoint")
-    result = {"layers": layers, "cached_generation_matches": True, "generated_tokens": len(cached)}
+        uncached = greedy(model, prompt, use_cache=False)
+        if setting.dtype == torch.float32:
+            cached = greedy(model, prompt, use_cache=True)
+            if cached != uncached:
+                raise VerificationError(f"greedy decoding with the KV cache ({cached}) differs from decoding without "
+                                        f"it ({uncached}): stale layer indices or layer types in the written checkpoint")
+            cache_check = {"cached_generation_matches": True}
+        else:
+            cache_check = {"cached_logprob_gap": cached_logprob_gap(model, prompt, uncached, setting)}
+    result = {"layers": layers, **cache_check, "generated_tokens": len(uncached), **setting.describe()}
     if held_out is not None:
         measured = perplexity(model, held_out)
         result["perplexity"] = measured
-        if expected_perplexity is not None and not math.isclose(measured, expected_perplexity,
-                                                                rel_tol=PERPLEXITY_RTOL):
-            raise VerificationError(f"the reloaded checkpoint's perplexity {measured:.4f} differs from the "
-                                    f"in-memory prune's {expected_perplexity:.4f}")
+        if expected_perplexity is not None and not math.isclose(measured, expected_perplexity, rel_tol=setting.rtol):
+            raise VerificationError(f"the reloaded checkpoint's perplexity {measured:.4f} differs from the in-memory "
+                                    f"prune's {expected_perplexity:.4f} by more than {setting.rtol:g} (relative, "
+                                    f"{result['dtype']} on {result['device']})")
     return result

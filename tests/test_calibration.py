@@ -114,8 +114,8 @@ def test_hand_reproduction_from_docs(tok, tmp_path):
     text = Path(path).read_bytes().decode("utf-8")  # the recipe in docs/calibration.md
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
     assert torch.equal(got.input_ids, ids.unfold(0, 32, 24)[:5])
-    assert got.describe() == {"source": str(path.resolve()), "sha256": got.sha256, "seq_len": 32,
-                              "stride": 24, "windows": 5, "tokens": 160}
+    assert got.describe() == {"source": str(path.resolve()), "spec": str(path.resolve()), "sha256": got.sha256,
+                              "seq_len": 32, "stride": 24, "windows": 5, "tokens": 160}
     assert isinstance(got, CalibrationSet) and got.windows == 5 and got.tokens == 160
 
 

@@ -50,7 +50,7 @@ def test_score_json_and_output_file(tiny_checkpoint, calib_file, tmp_path):
     assert printed == json.loads(out.read_text())
     assert printed["num_layers"] == 6 and len(printed["layers"]) == 6
     assert [layer["index"] for layer in printed["layers"]] == list(range(6))
-    assert set(printed["calibration"]) == {"source", "sha256", "seq_len", "stride", "windows", "tokens"}
+    assert set(printed["calibration"]) == {"source", "spec", "sha256", "seq_len", "stride", "windows", "tokens"}
     assert printed["calibration"]["windows"] == 3 and printed["calibration"]["tokens"] == 48
     assert len(printed["angular_distance"]) == 7
     assert load_current_run()["scores"] == printed

@@ -20,7 +20,8 @@ from prunetool.in_memory import layers_removed, prune_in_memory
 from prunetool.loading import load_model
 from prunetool.perplexity import perplexity
 from prunetool.scoring import Scores
-from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, tappa_importance, validate_selection
+from prunetool.ranking import tappa_importance
+from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
 from prunetool.sources import resolve_model
 from tests.tiny_models import ARCHITECTURES
 
@@ -344,7 +345,7 @@ def test_rank01_ties_share_their_mean_rank():
 
 
 def test_guided_importance_by_hand():
-    from prunetool.selection import guided_importance
+    from prunetool.ranking import guided_importance
 
     bi, qsim = [0.9, 0.1, 0.2, 0.3], [0.5, 0.8, 0.6, 0.7]
     # rank01(bi) = [1, 0, 1/3, 2/3]; 1 - rank01(qsim) = [1, 0, 2/3, 1/3]
@@ -353,7 +354,7 @@ def test_guided_importance_by_hand():
 
 
 def test_contiguous_blocks_rank_by_summed_values_inside_bounds():
-    from prunetool.selection import contiguous_blocks
+    from prunetool.ranking import contiguous_blocks
 
     values = [5.0, 1.0, 1.0, 4.0, 0.5, 0.5, 9.0]
     assert contiguous_blocks(values, 2, 0, 7, 3) == [(4, 5), (1, 2), (3, 4)]  # sums 1, 2, 4.5
@@ -405,7 +406,8 @@ def test_guided_chooses_the_best_measured_proposal(tiny_checkpoint):
 
 
 def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monkeypatch):
-    from prunetool.selection import SelectionRequest, select_guided
+    from prunetool.ranking import SelectionRequest
+    from prunetool.search import select_guided
 
     model = _load(tiny_checkpoint, "mistral")
     windows = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(2))

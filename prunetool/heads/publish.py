@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from prunetool.heads.analysis import HeadsReport
-from prunetool.surgery.output import check_free_folder, staged_folder
+from prunetool.checkpoint_io import check_free_folder, staged_folder
 
 
 def publish_report(output: Path, report: HeadsReport, force: bool) -> list[str]:

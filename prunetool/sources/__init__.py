@@ -3,6 +3,8 @@
 MODEL may be a demo alias, a folder, a .gguf file or a Hub id; everything downstream sees only folders.
 """
 
+import hashlib
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,7 @@ from prunetool.sources.checks import validate_folder
 from prunetool.sources.demo import DEMO_MODELS, DemoModel, list_demo_models
 from prunetool.sources.progress import note
 
-__all__ = ["DEFAULT_MODEL", "DEMO_MODELS", "DemoModel", "ModelSource", "list_demo_models", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "DEMO_MODELS", "DemoModel", "ModelSource", "list_demo_models", "model_key", "resolve_model"]
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -27,6 +29,12 @@ class ModelSource:
     path: Path  # a local Hugging Face folder
     config: dict  # the parsed config.json
     notes: tuple[str, ...] = ()  # non-fatal remarks (e.g. only .bin weights), already shown on stderr
+
+
+def model_key(source: ModelSource) -> str:
+    """A filesystem-safe, stable name for caches derived from a model (e.g. its generated calibration text)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(source.spec).name or source.spec).strip("-")[:48] or "model"
+    return f"{stem}-{hashlib.sha1(str(Path(source.path).resolve()).encode()).hexdigest()[:8]}"
 
 
 def resolve_model(spec: str | None = None, *, trust_remote_code: bool = False) -> ModelSource:

@@ -5,21 +5,14 @@ traceback from deep inside transformers minutes later. No tensor data is read.
 """
 
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prunetool.checkpoint_io import read_header
 from prunetool.errors import ModelSourceError, UnsupportedModelError
 from prunetool.sources.cache import transformers_version
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4,
-    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
 CAUSAL_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
 ENCODER_ONLY_TYPES = {
     "albert", "bert", "big-bird", "camembert", "canine", "convbert", "data2vec-text", "deberta",
@@ -111,59 +104,7 @@ def _shards_from_index(index: Path) -> list[Path]:
 
 def check_safetensors_file(path: Path) -> None:
     """Parse the header and check the file size is exactly 8 + header + data (catches truncation)."""
-    try:
-        why = _safetensors_problem(path)
-    except OSError as e:
-        why = f"cannot read it ({e.strerror or e})"
-    if why:
-        raise ModelSourceError(f"corrupt safetensors file {path}: {why}; re-download or re-convert it")
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    size = path.stat().st_size
-    if size < 8:
-        return f"only {size} bytes, shorter than the 8-byte header length"
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            return f"header length {header_len} does not fit in the {size}-byte file"
-        raw = f.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"header is not valid JSON ({e})"
-    if not isinstance(header, dict):
-        return "header is not a JSON object"
-    data_end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        problem = _tensor_problem(name, info)
-        if problem:
-            return problem
-        data_end = max(data_end, info["data_offsets"][1])
-    expected = 8 + header_len + data_end
-    if size != expected:
-        kind = "truncated" if size < expected else "has trailing bytes"
-        return f"{kind}: {size} bytes, header says {expected}"
-    return None
-
-
-def _tensor_problem(name: str, info) -> str | None:
-    try:
-        start, end = info["data_offsets"]
-        shape, dtype = info["shape"], info["dtype"]
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
-    except (TypeError, KeyError, ValueError):
-        return f"tensor {name!r} has a malformed header entry"
-    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
-        return f"tensor {name!r} has bad data_offsets {info['data_offsets']}"
-    width = DTYPE_BYTES.get(dtype)
-    if width is not None and end - start != numel * width:
-        return f"tensor {name!r} spans {end - start} bytes, but {dtype}{shape} needs {numel * width}"
-    return None
+    read_header(path)
 
 
 def _norm(model_type) -> str:

@@ -13,13 +13,8 @@ from prunetool.errors import OptionError
 from prunetool.plan import PrunePlan
 from prunetool.surgery.config import load_config, prune_config
 from prunetool.surgery.materialise import safetensors_folder
-from prunetool.surgery.output import (
-    check_extra_names,
-    check_output,
-    copy_side_files,
-    staged_folder,
-    write_extra_files,
-)
+from prunetool.checkpoint_io import staged_folder
+from prunetool.surgery.output import check_extra_names, check_output, copy_side_files, write_extra_files
 from prunetool.surgery.tensors import SAFETENSORS_INDEX, find_decoder_prefix, read_weights, renamer, write_weights
 
 __all__ = ["prune_config", "write_pruned_checkpoint"]

@@ -14,11 +14,10 @@ count and silently change the survivors' types, so they are written out explicit
 
 import copy
 
+from prunetool.checkpoint_io import text_section
 from prunetool.errors import UnsupportedModelError
 from prunetool.sources.checks import read_config
 
-# Where a composite model nests its decoder's config (transformers' get_text_config(decoder=True)).
-TEXT_CONFIG_KEYS = ("text_config", "decoder", "generator")
 # Lists that are never per-layer data, whatever their length happens to be.
 NOT_PER_LAYER = {"architectures", "eos_token_id", "bos_token_id", "pad_token_id", "bad_words_ids",
                  "suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids"}  # fmt: skip
@@ -35,16 +34,6 @@ FORMULAS = {
 }
 # Pattern fields that derive layer types by index; harmless once `layer_types` is explicit.
 PATTERNS = ("sliding_window_pattern", "_sliding_window_pattern")
-
-
-def text_section(config: dict) -> dict:
-    """The (mutable) dict holding the decoder's fields: a nested text config, else the top level."""
-    nested = [key for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
-    if len(nested) > 1:
-        raise UnsupportedModelError(
-            f"config.json nests several decoder configs ({', '.join(nested)}); cannot tell which to prune"
-        )
-    return config[nested[0]] if nested else config
 
 
 def is_per_layer_list(name: str, value, num_layers: int) -> bool:

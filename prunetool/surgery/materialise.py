@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prunetool.errors import ModelSourceError
-from prunetool.surgery.output import hidden_sibling, remove_tree
+from prunetool.checkpoint_io import hidden_sibling, remove_tree
 from prunetool.surgery.tensors import SAFETENSORS_INDEX, has_safetensors
 
 

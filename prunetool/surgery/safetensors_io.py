@@ -14,61 +14,15 @@ The result is checked by `safe_open` itself after writing (see `verify_shard`).
 import json
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
 
+from prunetool.checkpoint_io import ShardHeader, TensorEntry
 from prunetool.errors import ModelSourceError
-from prunetool.sources.checks import check_safetensors_file
 
 COPY_CHUNK = 64 << 20  # bytes per copy call; bounds user-space memory when the kernel copy is unavailable
 HEADER_ALIGN = 8  # safetensors pads the header with spaces so tensor data starts 8-byte aligned
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One header entry: the tensor's name, its unparsed header fields and where its bytes are."""
-
-    name: str
-    info: dict  # {"dtype": ..., "shape": [...], "data_offsets": [start, end]} exactly as on disk
-
-    @property
-    def start(self) -> int:
-        return self.info["data_offsets"][0]
-
-    @property
-    def nbytes(self) -> int:
-        start, end = self.info["data_offsets"]
-        return end - start
-
-    @property
-    def numel(self) -> int:
-        count = 1
-        for dim in self.info["shape"]:
-            count *= int(dim)
-        return count
-
-
-@dataclass(frozen=True)
-class ShardHeader:
-    """A parsed safetensors header: entries in on-disk order, the shard metadata, where data starts."""
-
-    path: Path
-    entries: tuple[TensorEntry, ...]
-    metadata: dict | None  # the "__metadata__" map, e.g. {"format": "pt"}, or None when absent
-    data_start: int  # 8 + header length
-
-
-def read_header(path: Path) -> ShardHeader:
-    """Validate the file (size matches header, offsets sane) and return its entries by data offset."""
-    check_safetensors_file(path)
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len).decode("utf-8"))
-    metadata = header.pop("__metadata__", None)
-    entries = sorted((TensorEntry(name, info) for name, info in header.items()), key=lambda e: e.start)
-    return ShardHeader(Path(path), tuple(entries), metadata, 8 + header_len)
 
 
 def encode_header(entries: list[tuple[str, dict]], metadata: dict | None) -> bytes:

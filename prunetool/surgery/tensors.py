@@ -14,7 +14,8 @@ from pathlib import Path
 
 from prunetool.errors import ModelSourceError, UnsupportedModelError
 from prunetool.sources.checks import SAFETENSORS_INDEX
-from prunetool.surgery.safetensors_io import ShardHeader, read_header, verify_shard, write_shard
+from prunetool.checkpoint_io import ShardHeader, read_header
+from prunetool.surgery.safetensors_io import verify_shard, write_shard
 
 SINGLE_FILE = "model.safetensors"
 LAYER_KEY = re.compile(r"^(?P<prefix>.*?\blayers\.)(?P<idx>\d+)\.")

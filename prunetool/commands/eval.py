@@ -1,4 +1,4 @@
-"""`prunetool eval` wired together: which models, which tasks, then each model loaded in turn and scored.
+"""`prunetool eval`: which models, which tasks, then each model loaded in turn and scored.
 
 With no MODEL the current run supplies the base and its pruned copy, so the table shows what the
 pruning cost. Tasks are checked before the first model is loaded; models are loaded one at a time
@@ -17,20 +17,21 @@ from pathlib import Path
 from rich.console import Console
 
 from prunetool import __version__
-from prunetool.errors import OptionError, PrunetoolError
+from prunetool.errors import OptionError
 from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, heldout_perplexity, make_lm
 from prunetool.evaluation.tasks import (
     HELDOUT, data_dir_from, default_task_names, plan_tasks, split_names,
 )
+from prunetool.calibration import HOLDOUT_WINDOWS, load_calibration
 from prunetool.loading import load_model
-from prunetool.runs import load_current_run
-from prunetool.sources import resolve_model
-from prunetool.workflow import window_progress
+from prunetool.progress import window_progress
+from prunetool.runs import current_pruned
+from prunetool.sources import model_key, resolve_model
 
 DEFAULT_CALIBRATION = {"calib": None, "seq_len": 512, "stride": 512, "samples": 16}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalRequest:
     models: list[str]
     tasks: str | None
@@ -60,18 +61,16 @@ def candidates(specs: list[str], calibration: dict) -> tuple[list[Candidate], di
             label = spec if spec not in labels else f"{spec} #{labels.count(spec) + 1}"
             labels.append(label)
         return [Candidate(label, spec, "model") for label, spec in zip(labels, specs)], None, calibration
-    run = load_current_run()
-    pruned = run.get("pruned")
-    if not pruned:
-        raise PrunetoolError("the current run has no pruned model: run `prunetool prune --drop N` first, "
-                             "or pass the models to evaluate")
-    folder = Path(pruned["path"])
-    if not folder.is_dir():
-        raise PrunetoolError(f"the current run's pruned model {folder} no longer exists; prune again or pass MODEL")
-    options = {key: run.get("options", {}).get(key, value) for key, value in DEFAULT_CALIBRATION.items()}
-    options["stride"] = options["stride"] or options["seq_len"]
+    run, folder = current_pruned()
+    held_out = run["pruned"].get("held_out")
+    if held_out is not None:  # exactly the windows prune held out
+        options = {"calib": held_out["spec"], "seq_len": held_out["seq_len"], "stride": held_out["after_stride"],
+                   "samples": held_out["after_windows"], "holdout": held_out["windows"], "sha256": held_out["sha256"]}
+    else:
+        options = {key: run.get("options", {}).get(key, value) for key, value in DEFAULT_CALIBRATION.items()}
+        options["stride"] = options["stride"] or options["seq_len"]
     return ([Candidate("base", run["model"], "base"), Candidate("pruned", str(folder), "pruned")],
-            read_pruning_record(folder, pruned), options)
+            read_pruning_record(folder, run["pruned"]), options)
 
 
 def read_pruning_record(folder: Path, fallback: dict) -> dict:
@@ -84,13 +83,20 @@ def read_pruning_record(folder: Path, fallback: dict) -> dict:
 
 
 def heldout_windows(first_source, model, tokenizer, options: dict):
-    """The windows `prune` holds out: the ones right after the scored windows of the same calibration text."""
-    from prunetool.pruning import HOLDOUT_WINDOWS, calibration_windows
+    """The windows `prune` holds out: after the selection windows of the same calibration text, never overlapping."""
+    from prunetool.errors import CalibrationError
 
-    scored, held_out = calibration_windows(tokenizer, model, first_source, options, HOLDOUT_WINDOWS)
-    description = (f"{len(held_out)} windows x {scored.seq_len} tokens of {scored.source} after the "
-                   f"{scored.windows} calibration windows")
-    return held_out, description
+    holdout = options.get("holdout", HOLDOUT_WINDOWS)
+    windows = load_calibration(options["calib"], tokenizer, seq_len=options["seq_len"], stride=options["stride"],
+                               samples=options["samples"], model=model, model_key=model_key(first_source),
+                               holdout=holdout, small=options["samples"] == 0)
+    if options.get("sha256") and windows.sha256 != options["sha256"]:
+        raise CalibrationError(f"the held-out text prune used (sha256 {options['sha256'][:12]}…) is not the text "
+                               f"loaded now ({windows.source}); prune again")
+    held = windows.describe_held_out()
+    description = (f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} from token "
+                   f"{held['first_token']}, after the {held['after_windows']} calibration windows")
+    return windows.held_out, description
 
 
 def run_eval(request: EvalRequest, console: Console) -> dict:

@@ -1,0 +1,44 @@
+"""`prunetool heads`: model (eager attention) -> calibration -> per-head evidence -> analysis and KV budgets."""
+
+from rich.console import Console
+
+from prunetool.calibration import load_calibration
+from prunetool.progress import window_progress
+from prunetool.runs import current_model
+from prunetool.sources import model_key, resolve_model
+
+
+def layer_caps(config, seq_len: int, num_layers: int) -> list[int]:
+    """Tokens each layer can attend to: the window length, or less for a sliding-window layer."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    window = getattr(config, "sliding_window", None)
+    return [min(seq_len, window) if kind == "sliding_attention" and window else seq_len for kind in types]
+
+
+def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device, trust_remote_code,
+              console: Console):
+    """Probe every analysed layer's heads on calibration windows (eager attention) and build the report.
+
+    MODEL defaults to the current run's model, else the default demo model.
+    """
+    from prunetool.commands.score import warn_if_untested
+    from prunetool.heads.analysis import analyse
+    from prunetool.heads.budget import check_kv_budget
+    from prunetool.heads.probe import probe_heads
+    from prunetool.loading import load_model
+    from prunetool.selection import parse_layers
+
+    source = resolve_model(spec if spec is not None else current_model(), trust_remote_code=trust_remote_code)
+    model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                  attn_implementation="eager")
+    layout = warn_if_untested(model, console)
+    selected = parse_layers(layers, layout.num_layers, allow_all=True, flag="--only-layers") if layers else tuple(range(layout.num_layers))
+    caps = layer_caps(model.config.get_text_config(decoder=True), seq_len, layout.num_layers)
+    if kv_budget is not None:
+        check_kv_budget(kv_budget, caps)
+    calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples,
+                                   model=model, model_key=model_key(source))
+    with window_progress(console) as progress:
+        task = progress.add_task("probing heads", total=calibration.windows)
+        evidence = probe_heads(model, calibration.input_ids, selected, on_window=lambda: progress.advance(task))
+    return analyse(evidence, model=source.spec, calibration=calibration.describe(), kv_budget=kv_budget, caps=caps)

@@ -1,0 +1,260 @@
+"""`prunetool prune`: starting point -> plan -> held-out perplexity -> checkpoint -> checks -> current run.
+
+Order matters for the user: every option is checked before anything slow, perplexity before and
+after is measured in memory so the model card can state it, and the written folder is verified by
+reloading it (same dtype, same device) before it is published, so a checkpoint that fails a check
+never appears.
+
+Two sets of windows come from one calibration stream and never overlap: the selection windows (those
+the scores were computed on, and the first of which a perplexity search measures) and the held-out
+windows, which start at the first token after the last selection window (calibration.heldout_start).
+Both are recorded in prune.json.
+"""
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from prunetool.calibration import HOLDOUT_WINDOWS, CalibrationSet, load_calibration
+from prunetool.checkpoint_io import text_num_layers, text_section
+from prunetool.errors import CalibrationError, OptionError
+from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
+from prunetool.in_memory import layers_removed
+from prunetool.loading import load_model, pick_device, pick_dtype
+from prunetool.perplexity import perplexity
+from prunetool.plan import PrunePlan
+from prunetool.progress import window_progress
+from prunetool.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS
+from prunetool.runs import current_scores, record_current_run
+from prunetool.scoring import Scores, score_model
+from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
+from prunetool.sources import model_key, resolve_model
+from prunetool.sources.demo import find_alias
+from prunetool.surgery import write_pruned_checkpoint
+from prunetool.verify import VerifySetting, verify_checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneRequest:
+    """Everything `prune` was asked; built by keyword so a new option cannot shift the others."""
+
+    model: str | None = None
+    drop: int | None = None
+    layers: str | None = None
+    criterion: str = "guided"
+    beta: float | None = None  # None: the criterion's own default
+    scores_file: Path | None = None
+    calib: str | None = None
+    seq_len: int = 512
+    stride: int | None = None
+    samples: int = 16
+    protect_first: int = 0
+    protect_last: int = 0
+    output: Path | None = None
+    force: bool = False
+    dry_run: bool = False
+    verify: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    batch_size: int = 1
+    trust_remote_code: bool = False
+    shortlist: int = GUIDED_SHORTLIST  # guided only
+    refine_windows: int = GUIDED_WINDOWS
+    blocks: int = GUIDED_BLOCKS
+    plot: Path | None = None
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """MODEL, its scores if recorded, the calibration they came from and where that was decided."""
+
+    spec: str | None
+    scores: Scores | None
+    calibration: dict = field(default_factory=dict)  # calib, seq_len, stride, samples
+    origin: str = "command line"
+    sha256: str | None = None  # of the scores' text: the windows prune loads must be the same
+
+
+def calibration_of(scores: Scores, fallback: dict) -> dict:
+    """Load options that reproduce the windows the scores were computed on (older files: the fallback)."""
+    recorded = scores.calibration or {}
+    if "spec" not in recorded:
+        return fallback
+    return {"calib": recorded["spec"], "seq_len": recorded["seq_len"], "stride": recorded["stride"],
+            "samples": recorded["windows"]}
+
+
+def starting_point(request: PruneRequest) -> StartingPoint:
+    """From --scores, from the current run when MODEL is omitted, or from MODEL and the command line."""
+    options = {"calib": request.calib, "seq_len": request.seq_len, "stride": request.stride,
+               "samples": request.samples}
+    if request.scores_file is not None:
+        if not request.scores_file.is_file():
+            raise OptionError(f"--scores {request.scores_file} does not exist; write one with "
+                              "`prunetool score MODEL --output FILE`")
+        try:
+            scores = Scores.from_json(json.loads(request.scores_file.read_text()))
+        except (json.JSONDecodeError, TypeError, KeyError) as error:
+            raise OptionError(f"--scores {request.scores_file} is not a prunetool scores file ({error})") from None
+        return StartingPoint(request.model or scores.model, scores, calibration_of(scores, options),
+                             f"--scores {request.scores_file}", scores.calibration.get("sha256"))
+    if request.model is None:
+        spec, data, recorded = current_scores()
+        scores = Scores.from_json(data)
+        fallback = {key: recorded.get(key, value) for key, value in options.items()}
+        return StartingPoint(spec, scores, calibration_of(scores, fallback), "the current run",
+                             scores.calibration.get("sha256"))
+    return StartingPoint(request.model, None, options)
+
+
+def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | None:
+    """Fail on any bad option before loading anything; returns the --layers indices when given."""
+    if (request.drop is None) == (request.layers is None):
+        raise OptionError("give exactly one of --drop N or --remove-layers 3,7,12")
+    if request.layers is not None:
+        return parse_layers(request.layers, num_layers)
+    validate_selection(request.criterion, request.drop, num_layers, beta=request.beta,
+                       protect_first=request.protect_first, protect_last=request.protect_last,
+                       shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks)
+    return None
+
+
+def load_windows(start: StartingPoint, tokenizer, model, source, *, selection: bool, holdout: int) -> CalibrationSet:
+    """The selection windows (if the run selects) and `holdout` windows after them, from one stream.
+
+    Without selection (--layers) only the held-out windows are cut, from the start of the text, and
+    generated text is only as long as they need.
+    """
+    options = start.calibration
+    samples = options["samples"] if selection else 0
+    try:
+        windows = load_calibration(options["calib"], tokenizer, seq_len=options["seq_len"], stride=options["stride"],
+                                   samples=samples, model=model, model_key=model_key(source), holdout=holdout,
+                                   small=not selection)
+    except CalibrationError as error:
+        raise CalibrationError(f"{error} (prune holds out {holdout} windows after the {samples} selection "
+                               "windows; pass --no-verify or lower --samples)") from None
+    if selection and start.sha256 and windows.sha256 != start.sha256:
+        raise CalibrationError(f"the calibration text of the scores ({start.origin}, sha256 {start.sha256[:12]}…) "
+                               f"is not the text loaded now ({windows.source}, sha256 {windows.sha256[:12]}…), so "
+                               "held-out windows could overlap the scored ones; score again")
+    return windows
+
+
+def choose(request, spec, scores, model, calibration, console: Console) -> tuple[PrunePlan, Scores | None]:
+    """Run the criterion, scoring first when it ranks scores nobody recorded yet."""
+    num_layers = scores.num_layers if scores is not None else model.config.get_text_config(decoder=True).num_hidden_layers
+    needs = CRITERIA[request.criterion].needs
+    with window_progress(console) as progress:
+        if scores is None and needs in ("scores", "both"):
+            task = progress.add_task("scoring windows", total=calibration.windows)
+            scores = score_model(model, calibration, model_name=spec, batch_size=request.batch_size,
+                                 on_batch=lambda n: progress.advance(task, n))
+        search = progress.add_task("perplexity search", total=None, visible=needs in ("model", "both"))
+        plan = make_plan(spec, request.criterion, request.drop, scores=scores, model=model, calibration=calibration,
+                         num_layers=num_layers, beta=request.beta, protect_first=request.protect_first,
+                         protect_last=request.protect_last, batch_size=request.batch_size,
+                         shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
+                         on_step=lambda done, total: progress.update(search, completed=done, total=total))
+    return plan, scores
+
+
+def default_output(spec: str, plan: PrunePlan) -> Path:
+    stem = Path(spec.rstrip("/")).name or "model"
+    return Path.cwd() / f"{stem}-pruned-{len(plan.removed)}"
+
+
+def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> dict:
+    """Held-out perplexity of the base and of the in-memory prune (the written model must match the latter)."""
+    held = calibration.describe_held_out()
+    after = (f"that follow the {held['after_windows']} selection windows, from token {held['first_token']}"
+             if held["after_windows"] else f"from token {held['first_token']} (no selection windows: --layers)")
+    before = perplexity(model, calibration.held_out)
+    with layers_removed(model, plan.removed):
+        pruned = perplexity(model, calibration.held_out)
+    return {"before": before, "after": pruned, "held_out": held,
+            "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
+
+
+def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: VerifySetting | None) -> dict[str, str]:
+    """prune.json, the model card and the same cut for mergekit and llama.cpp."""
+    verification = None
+    if setting is not None:
+        verification = {"passed_before_publishing": [
+            "reload with AutoModelForCausalLM", "decoder layer count",
+            "decoding with and without the KV cache agrees (float32: identical greedy tokens; half precision: "
+            "log-probabilities along one sequence within cache_logprob_atol)",
+            "perplexity of the reloaded model equals the in-memory prune's within perplexity_rtol"],
+            **setting.describe()}
+    record = prune_record(plan, source_path=str(source.path), perplexity=perplexity_info, verification=verification)
+    config = text_section(source.config)
+    command = f"prunetool prune {plan.base_model} --remove-layers {','.join(map(str, plan.removed))}"
+    return {
+        "prune.json": json.dumps(record, indent=1) + "\n",
+        "README.md": model_card(plan, base_model=base_model_name(source), perplexity=perplexity_info, command=command),
+        "mergekit.yaml": mergekit_yaml(plan, str(source.path), config.get("dtype") or config.get("torch_dtype")),
+        "llama.cpp-prune-layers.txt": llamacpp_prune_layers(plan),
+    }
+
+
+def base_model_name(source) -> str:
+    """The Hub id where one is known (demo aliases record theirs), else what the user typed."""
+    alias = find_alias(source.spec) if source.kind == "alias" else None
+    return alias.hub_id if alias is not None else source.spec
+
+
+def run_prune(request: PruneRequest, console: Console) -> dict:
+    """Choose, measure, write, verify; returns what the CLI prints."""
+    start = starting_point(request)
+    source = resolve_model(start.spec, trust_remote_code=request.trust_remote_code)
+    spec = start.spec or source.spec
+    num_layers = text_num_layers(source.config)
+    if start.scores is not None and start.scores.num_layers != num_layers:
+        raise OptionError(f"the scores are for a {start.scores.num_layers}-layer model but {spec} has {num_layers} "
+                          "layers; score this model again")
+    manual = check_options(request, num_layers)
+    verifying = request.verify and not request.dry_run
+    needs = None if manual is not None else CRITERIA[request.criterion].needs
+    selects_on_windows = needs in ("model", "both") or (needs == "scores" and start.scores is None)
+    model = calibration = setting = None
+    if verifying or selects_on_windows:
+        clock = time.perf_counter()
+        model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
+                                      trust_remote_code=request.trust_remote_code)
+        calibration = load_windows(start, tokenizer, model, source, selection=selects_on_windows,
+                                   holdout=HOLDOUT_WINDOWS if verifying else 0)
+        console.print(f"loaded the model and {calibration.windows} selection + "
+                      f"{0 if calibration.held_out is None else len(calibration.held_out)} held-out windows in "
+                      f"{time.perf_counter() - clock:.1f}s", highlight=False)
+        target = pick_device(request.device)
+        setting = VerifySetting(pick_dtype(request.dtype, target), target) if verifying else None
+    scores = start.scores
+    if manual is not None:
+        plan = manual_plan(spec, manual, num_layers)
+    else:
+        plan, scores = choose(request, spec, scores, model, calibration, console)
+    result = {"plan": plan.to_json(), "dry_run": request.dry_run, "scores": scores.to_json() if scores else None}
+    if request.dry_run:
+        return result
+    perplexity_info = measure_perplexity(model, calibration, plan) if verifying else None
+    output = Path(request.output or default_output(spec, plan))
+    verification: dict = {}
+
+    def check(folder: Path) -> None:
+        verification.update(verify_checkpoint(folder, expected_layers=len(plan.kept), held_out=calibration.held_out,
+                                              expected_perplexity=perplexity_info["after"], setting=setting))
+
+    with window_progress(console) as progress:
+        task = progress.add_task("writing shards", total=None)
+        write_pruned_checkpoint(source.path, plan, output, force=request.force,
+                                extra_files=side_files(plan, source, perplexity_info, setting),
+                                on_shard=lambda name: progress.advance(task),
+                                before_publish=check if verifying else None)
+    held_out = perplexity_info["held_out"] if perplexity_info else None
+    pruned = {"path": str(output.resolve()), "removed": list(plan.removed), "criterion": plan.criterion,
+              "held_out": held_out}
+    record_current_run(spec, source.path, scores.to_json() if scores is not None else None, start.calibration, pruned)
+    return result | {"output": str(output), "perplexity": perplexity_info, "verification": verification or None}

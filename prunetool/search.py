@@ -1,0 +1,117 @@
+"""Measured searches: remove candidate layer sets in memory and compare calibration perplexity.
+
+Unlike ranking.py these are not functions of the scores alone: they run the model on the calibration
+windows handed to them (SelectionRequest.windows, the selection windows only; held-out windows never
+reach a search), and the plan records which windows those were.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from prunetool.ranking import Selection, SelectionRequest, column, contiguous_blocks, guided_importance
+
+def _measure(req: SelectionRequest, windows: torch.Tensor, removed) -> float:
+    """Calibration perplexity with `removed` gone (in memory); NaN counts as infinitely bad.
+
+    `req.measured`, when given, remembers results by the removed set, so callers that select for several
+    drop counts on one model and one set of windows (the quality benchmark) measure each set once.
+    """
+    from prunetool.in_memory import layers_removed
+    from prunetool.perplexity import perplexity
+
+    key = frozenset(removed)
+    if req.measured is not None and key in req.measured:
+        return req.measured[key]
+    with layers_removed(req.model, list(removed)):
+        value = perplexity(req.model, windows, batch_size=req.batch_size)
+    value = math.inf if math.isnan(value) else value
+    if req.measured is not None:
+        req.measured[key] = value
+    return value
+
+
+class _Steps:
+    """Counts measurements for the progress callback."""
+
+    def __init__(self, req: SelectionRequest, total: int):
+        self.req, self.total, self.done = req, total, 0
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.req.on_step:
+            self.req.on_step(self.done, self.total)
+
+
+def _greedy_removal(req: SelectionRequest, windows: torch.Tensor, shortlist: Callable[[list[int], list[int]], list[int]],
+                    step: _Steps) -> tuple[list[int], list[float | None], float]:
+    """N rounds: each measures calibration perplexity with every shortlisted layer removed on top of those
+    already chosen, and removes the lowest for good (ties: lower index).
+
+    Returns the order, round one's value per layer (None where not measured) and the final perplexity.
+    """
+    removed: list[int] = []
+    remaining = req.candidates
+    first, last = None, math.nan
+    for _ in range(req.count):
+        trial = {}
+        for layer in shortlist(remaining, removed):
+            trial[layer] = _measure(req, windows, removed + [layer])
+            step()
+        best = min(trial, key=lambda i: (trial[i], i))
+        first = first or [trial.get(i) for i in range(req.num_layers)]
+        removed.append(best)
+        last = trial[best]
+        remaining = [i for i in remaining if i != best]
+    return removed, first, last
+
+
+def select_ppl(req: SelectionRequest) -> Selection:
+    """SLEB-style greedy search (Song et al., arXiv:2402.09025): measure, do not predict.
+
+    N rounds; in each, every remaining candidate is removed in memory on top of those already chosen and
+    the perplexity of the calibration windows measured; the lowest (ties: lower index) goes for good.
+    Costs sum_k (C-k) evaluations of all windows for C candidates. Values: perplexity after removing
+    each layer alone (the first round); None for protected layers. It can overfit a small calibration
+    set (baselines note), so the windows used are recorded in the plan.
+    """
+    step = _Steps(req, sum(len(req.candidates) - k for k in range(req.count)))
+    removed, first, _ = _greedy_removal(req, req.windows, lambda remaining, _: remaining, step)
+    return Selection(tuple(removed), first, {"greedy_order": removed})
+
+
+def select_guided(req: SelectionRequest) -> Selection:
+    """prunetool's default: q-similarity and Block Influence propose, calibration perplexity decides.
+
+    Layers are ordered by guided_importance, rank01(BI) + beta * (1 - rank01(qsim)) (TAPPA's signal with
+    rank normalisation). Two kinds of candidate sets are proposed from that order and the one with the
+    lowest perplexity on the first `refine_windows` calibration windows is removed:
+    - a greedy path: N rounds, each measuring the `shortlist` lowest-ranked remaining layers removed on
+      top of those already chosen and keeping the best (SLEB's search, restricted to the shortlist);
+    - the `blocks` contiguous runs of N layers with the lowest summed importance (removing neighbours
+      together often costs less than their single-layer costs add up to, which greedy search misses).
+    Cost: N * shortlist + blocks evaluations of a few windows, against SLEB's sum_k (C-k) over all of
+    them. Values: the guided importance of every layer.
+    """
+    values = guided_importance(column(req, "block_influence"), column(req, "q_similarity"), req.beta)
+    size = max(1, req.shortlist)
+    windows = req.windows[: max(1, req.refine_windows)]
+    blocks = contiguous_blocks(values, req.count, req.protect_first, req.num_layers - req.protect_last, req.blocks)
+    step = _Steps(req, sum(min(size, len(req.candidates) - k) for k in range(req.count)) + len(blocks))
+
+    def shortlist(remaining: list[int], _removed: list[int]) -> list[int]:
+        return sorted(remaining, key=lambda i: (values[i], i))[:size]
+
+    order, _, greedy_ppl = _greedy_removal(req, windows, shortlist, step)
+    proposals = {tuple(sorted(order)): ("greedy", greedy_ppl)}
+    for block in blocks:
+        if block not in proposals:
+            proposals[block] = ("block", _measure(req, windows, block))
+        step()
+    chosen = min(proposals, key=lambda c: (proposals[c][1], c))
+    extra = {"greedy_order": order, "refine_windows": int(windows.shape[0]), "chosen_from": proposals[chosen][0],
+             "proposals": [{"removed": list(c), "kind": k, "perplexity": v} for c, (k, v) in proposals.items()]}
+    return Selection(chosen, values, extra)
