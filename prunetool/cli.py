@@ -11,11 +11,15 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
+
+try:  # typer >= 0.22 parses with its own copy of click; older ones use click itself
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors
 
 from prunetool import __version__
 from prunetool.errors import OptionError, PrunetoolError
@@ -34,18 +38,18 @@ class OneLineErrors(TyperGroup):
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
             code = code if isinstance(code, int) else 0
-        except click.exceptions.NoArgsIsHelpError as error:
+        except click_errors.NoArgsIsHelpError as error:
             out.print(error.format_message(), highlight=False, markup=False)
             code = 0
-        except click.UsageError as error:
+        except click_errors.UsageError as error:
             where = f" (see `{error.ctx.command_path} --help`)" if error.ctx is not None else ""
             err.print(f"[bold red]error:[/] {escape(error.format_message())}{escape(where)}", highlight=False,
                       soft_wrap=True)
             code = USAGE_EXIT
-        except click.ClickException as error:
+        except click_errors.ClickException as error:
             err.print(f"[bold red]error:[/] {escape(error.format_message())}", highlight=False, soft_wrap=True)
             code = error.exit_code
-        except click.Abort:
+        except typer.Abort:
             err.print("[bold red]interrupted[/]")
             code = 130
         if standalone_mode:
