@@ -26,7 +26,7 @@ SCORE_PANELS = (
 )
 CRITERION_LABELS = {"guided": "guided importance", "tappa": "TAPPA importance", "qsim": "q-similarity",
                     "bi": "block influence", "angular": "block distance d(l, l+N)",
-                    "ppl": "perplexity, layer alone removed"}
+                    "ppl": "perplexity with only this layer removed (round 1)"}
 
 
 def new_figure(**options):
