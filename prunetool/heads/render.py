@@ -132,7 +132,8 @@ def _card(head: dict, images: bool) -> str:
         lines.append(f"measured period {_fmt(pattern['period'], 1)} ({_fmt(pattern.get('teeth'))} teeth)")
     lines.append(f"swap: {_fmt(swap.get('label'))} (positional {_fmt(swap.get('positional'))}, "
                  f"symbolic {_fmt(swap.get('symbolic'))})")
-    pictures = "".join(f'<img src="{name}_{part}.png" alt="{part}"> ' for part in ("overview", "zoom")) if images else ""
+    parts = ("overview", "zoom") if images else ()
+    pictures = "".join(f'<img src="{name}_{part}.png" alt="{part}"> ' for part in parts)
     return f"<figure>{pictures}<figcaption>{'<br>'.join(lines)}</figcaption></figure>"
 
 
