@@ -23,3 +23,7 @@ class OptionError(PrunetoolError):
 
 class VerificationError(PrunetoolError):
     """A written checkpoint failed its check (reload, layer count, cached generation, perplexity)."""
+
+
+class MissingExtraError(PrunetoolError):
+    """A feature needs an optional dependency that is not installed; the message names the pip extra."""

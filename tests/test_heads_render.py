@@ -1,51 +1,59 @@
-"""The heads HTML report: its PNG encoder read back by an independent decoder, and a full render."""
+"""The heads HTML report: heatmaps with token-position axes and a colour bar, a full render, and the page
+without matplotlib."""
 
 import re
 import struct
-import zlib
+import sys
 
+import pytest
 import torch
 
-from prunetool.heads.render import _colorize, _png, write_report
+from prunetool.heads.render import HEATMAP_DPI, HEATMAP_INCHES, heatmap_figure, heatmap_span, write_report
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HEATMAP_PIXELS = (round(HEATMAP_INCHES[0] * HEATMAP_DPI), round(HEATMAP_INCHES[1] * HEATMAP_DPI))
 
 
-def decode_png(blob: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]]:
-    """8-bit RGB PNG with unfiltered rows -> (width, height, rows of pixels); checks every chunk's CRC."""
-    assert blob[:8] == SIGNATURE
-    position, chunks = 8, []
-    while position < len(blob):
-        (length,) = struct.unpack(">I", blob[position:position + 4])
-        kind, payload = blob[position + 4:position + 8], blob[position + 8:position + 8 + length]
-        (crc,) = struct.unpack(">I", blob[position + 8 + length:position + 12 + length])
-        assert crc == zlib.crc32(kind + payload), kind
-        chunks.append((kind, payload))
-        position += 12 + length
-    assert [kind for kind, _ in chunks][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
-    width, height, depth, colour, compression, filtering, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, colour, compression, filtering, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(b"".join(payload for kind, payload in chunks if kind == b"IDAT"))
-    stride = 1 + 3 * width
-    assert len(raw) == height * stride
-    rows = []
-    for y in range(height):
-        line = raw[y * stride:(y + 1) * stride]
-        assert line[0] == 0  # filter type 0: the bytes are the pixels
-        rows.append([tuple(line[1 + 3 * x:4 + 3 * x]) for x in range(width)])
-    return width, height, rows
+def png_size(blob: bytes) -> tuple[int, int]:
+    """(width, height) from the signature and the IHDR chunk, which must come first."""
+    assert blob[:8] == SIGNATURE and blob[12:16] == b"IHDR"
+    return struct.unpack(">II", blob[16:24])
 
 
-def test_png_round_trips_the_colormap():
-    weights = torch.tensor([[0.0, 0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8, 0.9], [1.0, 0.05, 0.0, 0.25, 2.0]])
-    rgb = _colorize(weights)
-    assert rgb.shape == (3, 5, 3) and rgb.dtype == torch.uint8
-    width, height, rows = decode_png(_png(rgb))
-    assert (width, height) == (5, 3)
-    assert rows == [[tuple(pixel) for pixel in row] for row in rgb.tolist()]
-    assert rows[0][0] == (68, 1, 84) and rows[2][4] == (253, 231, 37)  # zero and the image's own maximum
-    brightness = [sum(_colorize(torch.tensor([[v, 1.0]]))[0, 0].tolist()) for v in (0.0, 0.1, 0.3, 0.6, 1.0)]
-    assert brightness == sorted(brightness)
+def _ticks(ax, axis: str) -> list[float]:
+    """The tick positions inside the axis limits, as the drawn labels show them."""
+    ax.figure.canvas.draw()
+    low, high = sorted(getattr(ax, f"get_{axis}lim")())
+    labels = getattr(ax, f"get_{axis}ticklabels")()
+    return [float(label.get_text().replace("\u2212", "-")) for label in labels if low <= label.get_position()[
+        0 if axis == "x" else 1] <= high]
+
+
+def test_heatmap_axes_are_token_positions():
+    weights = torch.rand(16, 16)
+    figure = heatmap_figure(weights, tokens=512, title="layer 3 head 1: whole window")
+    ax, bar = figure.axes  # the map and its colour bar
+    assert ax.get_xlim() == (-0.5, 511.5) and ax.get_ylim() == (511.5, -0.5)  # queries run down
+    assert ax.get_xlabel() == "key position" and ax.get_ylabel() == "query position"
+    assert figure.get_suptitle() == "layer 3 head 1: whole window" and "attention weight" in bar.get_ylabel()
+    xs = _ticks(ax, "x")
+    assert xs and max(xs) > 100 and all(x == int(x) for x in xs)  # positions, not pixel indices 0..15
+    (image,) = ax.get_images()
+    assert torch.equal(torch.as_tensor(image.get_array()), weights)
+    assert image.norm.vmin == 0 and image.norm.vmax == pytest.approx(weights.max().item()) and image.norm.gamma == 0.5
+
+
+def test_heatmap_ticks_follow_a_crop_offset():
+    figure = heatmap_figure(torch.rand(8, 8), start=100)
+    ax = figure.axes[0]
+    assert ax.get_xlim() == (99.5, 107.5) and ax.get_ylim() == (107.5, 99.5)
+    assert all(100 <= x <= 107 for x in _ticks(ax, "x") + _ticks(ax, "y"))
+
+
+def test_heatmap_span():
+    assert heatmap_span("overview", 128, 512) == 512  # pooled: the whole window
+    assert heatmap_span("overview", 40, 40) == 40 and heatmap_span("overview", 16, None) == 16
+    assert heatmap_span("zoom", 64, 512) == 64  # exact corner: one pixel per token
 
 
 def _head(layer, head, kind, scores, swap, period=None):
@@ -121,14 +129,23 @@ def test_write_report(tmp_path):
     assert "\u2014" in page and "untested" in page and "KV budget" in page and "12.5" in page
     for name in re.findall(r'src="([^"]+)"', page):
         assert (tmp_path / name).is_file(), name
-    for (layer, head), (overview, zoom) in sizes.items():
-        for part, side in (("overview", overview), ("zoom", zoom)):
-            width, height, rows = decode_png((tmp_path / f"heatmaps/L{layer}_H{head}_{part}.png").read_bytes())
-            assert (width, height) == (side, side)
-            assert rows[0][0] == (253, 231, 37)  # the first query sees only key 0: the image's maximum
-            assert sum(rows[-1][0]) > sum(rows[-1][-1]) > sum(rows[-1][1])  # sink > faint diagonal > nothing
+    for name in written[:-1]:
+        assert png_size((tmp_path / name).read_bytes()) == HEATMAP_PIXELS
+    assert "token positions" in page and "Heatmaps left out" not in page
 
 
 def test_only_heads_with_thumbnails_are_drawn(tmp_path):
     written = write_report(tmp_path, _data(), _thumbnails({(0, 0): (10, 5)}))
     assert sorted(written) == ["heatmaps/L0_H0_overview.png", "heatmaps/L0_H0_zoom.png", "report.html"]
+
+
+def test_report_without_matplotlib_says_how_to_get_heatmaps(tmp_path, monkeypatch):
+    for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    written = write_report(tmp_path, _data(), _thumbnails({(0, 0): (10, 5), (1, 0): (12, 12)}))
+    assert written == ["report.html"] and [path.name for path in tmp_path.iterdir()] == ["report.html"]
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "<img" not in page and "layer 0 head 0: re-access" in page
+    assert ("<p class=note>Heatmaps left out: plotting needs matplotlib: pip install "
+            "&#x27;prunetool[plot]&#x27;</p>") in page

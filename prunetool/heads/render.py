@@ -1,56 +1,75 @@
 """Heads report -> a self-contained HTML page with attention heatmaps of a few representative heads.
 
 The page is for reading a heads analysis by eye (pattern mix per layer, correlations, seasonal heads, KV
-budgets, what the clearest heads attend to). PNGs are encoded here with zlib and struct and the page uses
-inline CSS only, so the report needs no plotting library, no JavaScript and no network.
+budgets, what the clearest heads attend to). It uses inline CSS only: no JavaScript, no network. The heatmaps
+are drawn with matplotlib (the optional `[plot]` extra) with token positions on both axes and a colour bar;
+without it the page is still written, minus the heatmaps, and says how to get them.
 """
 
 import html
-import struct
-import zlib
 from pathlib import Path
 
 import torch
 
+from prunetool.errors import MissingExtraError
+from prunetool.plots import new_figure, save_figure
+
 TYPE_COLOURS = {"re-access": "#4477aa", "sequential": "#ee6677", "seasonal": "#228833", "retrieval": "#bbbbbb"}
 SCORES = {"re-access": "re_access", "sequential": "sequential", "seasonal": "seasonal"}  # type -> pattern score
-# viridis at 0, 1/4, 1/2, 3/4 and 1: brightness rises steadily from dark violet to yellow
-ANCHORS = torch.tensor([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]],
-                       dtype=torch.float32)
 PER_GROUP = 2  # representative heads per group
 SEASONAL_ROWS = 20
+HEATMAP_INCHES, HEATMAP_DPI = (4.2, 3.7), 100  # 420 x 370 pixels: a 128-pixel thumbnail gets ~2 each
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#222;max-width:1120px;
 margin:2em auto;padding:0 1em;line-height:1.4}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;font-size:13px;margin:.5em 0}th,td{padding:3px 8px;border-bottom:1px solid #e4e4e4;
 text-align:right}th{background:#f5f5f5}.l{text-align:left}.bar{display:flex;width:180px;height:12px;background:#eee}
 .legend span{display:inline-block;width:10px;height:10px;margin:0 4px 0 12px}
-figure{display:inline-block;vertical-align:top;width:530px;margin:0 1em 1.5em 0}
-figure img{width:256px;image-rendering:pixelated;border:1px solid #ccc}figcaption{font-size:13px}
+figure{display:inline-block;vertical-align:top;width:860px;margin:0 1em 1.5em 0}
+figure img{width:420px;border:1px solid #ccc}figcaption{font-size:13px}
 .note{color:#555;font-size:13px}"""
 
 
-def _colorize(weights: torch.Tensor) -> torch.Tensor:
-    """(H, W) weights -> (H, W, 3) uint8: scaled by the image's own maximum, then a square root, so faint
-    diagonals stay visible next to a strong sink column; then the colormap, interpolated between anchors."""
-    x = torch.nan_to_num(weights.detach().float()).clamp(min=0)
-    peak = x.max()
-    x = (x / peak if peak > 0 else x).sqrt() * (len(ANCHORS) - 1)
-    low = x.floor().long().clamp(max=len(ANCHORS) - 2)
-    frac = (x - low).unsqueeze(-1)
-    return (ANCHORS[low] * (1 - frac) + ANCHORS[low + 1] * frac).round().clamp(0, 255).to(torch.uint8)
+def heatmap_span(part: str, side: int, seq_len: int | None) -> int:
+    """Token positions a thumbnail covers from position 0: the zoom is the window's exact top-left corner
+    (one pixel per token); the overview is the whole window, average-pooled to `side` pixels."""
+    return seq_len if part == "overview" and seq_len and seq_len >= side else side
 
 
-def _chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+def heatmap_figure(weights: torch.Tensor, *, start: int = 0, tokens: int | None = None, title: str = ""):
+    """(queries, keys) attention weights -> Figure with both axes in token positions, `start` first, the
+    columns covering `tokens` positions; colour on a square-root scale up to the map's own maximum, so
+    faint diagonals stay visible next to a strong sink column, and a colour bar in real weights."""
+    figure = new_figure(figsize=HEATMAP_INCHES, dpi=HEATMAP_DPI, layout="constrained")
+    from matplotlib.colors import PowerNorm
+
+    image = torch.nan_to_num(weights.detach().float().cpu()).clamp(min=0)
+    scale = (tokens or image.shape[1]) / image.shape[1]  # token positions per pixel
+    left, top = start - 0.5, start - 0.5
+    extent = (left, left + image.shape[1] * scale, top + image.shape[0] * scale, top)
+    peak = image.max().item()
+    ax = figure.add_subplot()
+    shown = ax.imshow(image.numpy(), cmap="viridis", norm=PowerNorm(0.5, vmin=0, vmax=peak if peak > 0 else 1),
+                      extent=extent, interpolation="nearest", aspect="equal")
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    for spine in ax.spines.values():
+        spine.set_linewidth(0.4)  # thin, so the first key's column (often the sink) is not hidden under it
+    figure.suptitle(title, fontsize=9)
+    figure.colorbar(shown, ax=ax, label="attention weight (\u221a scale)")
+    return figure
 
 
-def _png(rgb: torch.Tensor) -> bytes:
-    """(H, W, 3) uint8 -> PNG bytes (8-bit RGB, unfiltered rows, one IDAT): all a small heatmap needs."""
-    height, width, _ = rgb.shape
-    rows = b"".join(b"\x00" + bytes(row.flatten().tolist()) for row in rgb)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(rows, 9))
-            + _chunk(b"IEND", b""))
+def _draw_heatmaps(folder: Path, heads, thumbnails: dict, seq_len: int | None) -> list[str]:
+    """Each head's overview and zoom as heatmaps/L{layer}_H{head}_{part}.png; returns the names written."""
+    written = []
+    for layer, head in heads:
+        for part, image in zip(("overview", "zoom"), thumbnails[(layer, head)]):
+            tokens = heatmap_span(part, image.shape[-1], seq_len)
+            what = f"whole window, {tokens} tokens" if part == "overview" else f"first {tokens} tokens"
+            name = f"heatmaps/L{layer}_H{head}_{part}.png"
+            save_figure(heatmap_figure(image, tokens=tokens, title=f"layer {layer} head {head}: {what}"), folder / name)
+            written.append(name)
+    return written
 
 
 def _fmt(value, digits: int | None = 3) -> str:
@@ -100,8 +119,8 @@ def _representatives(heads: list[dict], drawable) -> list[tuple[str, list[dict]]
     return [(title, members) for title, members in groups if members]
 
 
-def _card(head: dict) -> str:
-    """One head: its overview and zoom heatmaps and what the report measured about it."""
+def _card(head: dict, images: bool) -> str:
+    """One head: its overview and zoom heatmaps (when drawn) and what the report measured about it."""
     name = f"heatmaps/L{head['layer']}_H{head['head']}"
     pattern, rope, swap = head["pattern"], head.get("rope") or {}, head.get("swap") or {}
     lines = [f"<b>layer {head['layer']} head {head['head']}: {html.escape(head['type'])}</b>",
@@ -113,8 +132,9 @@ def _card(head: dict) -> str:
         lines.append(f"measured period {_fmt(pattern['period'], 1)} ({_fmt(pattern.get('teeth'))} teeth)")
     lines.append(f"swap: {_fmt(swap.get('label'))} (positional {_fmt(swap.get('positional'))}, "
                  f"symbolic {_fmt(swap.get('symbolic'))})")
-    images = "".join(f'<img src="{name}_{part}.png" alt="{part}"> ' for part in ("overview", "zoom"))
-    return f"<figure>{images}<figcaption>{'<br>'.join(lines)}</figcaption></figure>"
+    parts = ("overview", "zoom") if images else ()
+    pictures = "".join(f'<img src="{name}_{part}.png" alt="{part}"> ' for part in parts)
+    return f"<figure>{pictures}<figcaption>{'<br>'.join(lines)}</figcaption></figure>"
 
 
 def _layer_rows(data: dict, budgets: dict) -> tuple[list[str], list[list[str]]]:
@@ -141,14 +161,16 @@ def write_report(folder: Path, data: dict, thumbnails: dict) -> list[str]:
     """Write report.html and the representative heads' heatmaps into `folder`; return the relative names written.
 
     thumbnails: (layer, head) -> (overview, zoom) attention maps (queries x keys) of the first window.
+    Without matplotlib the page is written without heatmaps and says how to get them: `heads --output`
+    should not fail over an optional extra when the numbers are all there.
     """
-    written, groups = [], _representatives(data["heads"], thumbnails)
-    for head in {(h["layer"], h["head"]): h for _, members in groups for h in members}:
-        for part, image in zip(("overview", "zoom"), thumbnails[head]):
-            name = f"heatmaps/L{head[0]}_H{head[1]}_{part}.png"
-            (folder / "heatmaps").mkdir(exist_ok=True)
-            (folder / name).write_bytes(_png(_colorize(image)))
-            written.append(name)
+    groups = _representatives(data["heads"], thumbnails)
+    heads = list({(h["layer"], h["head"]): None for _, members in groups for h in members})
+    seq_len = (data.get("calibration") or {}).get("seq_len")
+    try:
+        written, missing = _draw_heatmaps(folder, heads, thumbnails, seq_len), None
+    except MissingExtraError as error:
+        written, missing = [], str(error)
 
     calibration, kv = data.get("calibration") or {}, data.get("kv_budget")
     budgets = {row["index"]: row.get("budget") for row in kv["layers"]} if kv else {}
@@ -179,9 +201,13 @@ def write_report(folder: Path, data: dict, thumbnails: dict) -> list[str]:
               f"{_fmt(layers.get('pearson_post_rope_vs_predictable_share'))}.</p>"]
 
     parts += ["<h2>Representative heads</h2><p class=note>Left: the first window's whole map, average-pooled; right: "
-              "its exact top-left corner. Rows are queries, columns keys; colour is the square root of the weight "
-              "over the image's maximum (dark violet = 0, yellow = maximum).</p>"]
-    parts += [f"<h3>{html.escape(title)}</h3>" + "".join(_card(head) for head in members) for title, members in groups]
+              "its exact top-left corner. Axes are token positions, queries down and keys across; colour is the "
+              "attention weight on a square-root scale up to the map's own maximum (dark violet = 0, yellow = "
+              "maximum; see each colour bar).</p>"]
+    if missing:
+        parts.append(f"<p class=note>Heatmaps left out: {html.escape(missing)}</p>")
+    parts += [f"<h3>{html.escape(title)}</h3>" + "".join(_card(head, not missing) for head in members)
+              for title, members in groups]
 
     seasonal = data.get("seasonal") or []
     parts.append(f"<h2>Seasonal candidates</h2><p>{len(seasonal)} heads show a comb of diagonals"

@@ -1,0 +1,223 @@
+"""Scores and prune plans -> figures (`score --plot FILE.png`, `prune --plot FILE.png`), plus the matplotlib
+plumbing the heads report shares.
+
+matplotlib is the optional `[plot]` extra: it is imported only when a figure is drawn, and its absence is one
+MissingExtraError line naming the pip command. Figures use matplotlib's object API on the Agg canvas (no
+pyplot state, no display) and are written atomically, so an interrupted run never leaves half a picture
+under the user's file name. Every layer index is 0-based in the original model, as in the scores and plans.
+"""
+
+import math
+import os
+import secrets
+from pathlib import Path
+
+from prunetool.errors import MissingExtraError, OptionError
+
+MISSING = "plotting needs matplotlib: pip install 'prunetool[plot]'"
+WIDTH, PANEL_HEIGHT, DPI = 10.0, 2.1, 100  # inches, inches per panel, pixels per inch
+LOG_SPAN = 20.0  # perplexities spanning more than this factor get a logarithmic axis
+REMOVED_COLOUR, CHOSEN_COLOUR, OTHER_COLOUR = "#ee6677", "#cc3311", "#bbbbbb"
+# (panel name, y label, curves as (series key, legend label)); a curve without data is left out
+SCORE_PANELS = (
+    ("block_influence", "block influence", (("block_influence", "1 - cos(layer input, output)"),)),
+    ("q_similarity", "q-similarity", (("q_similarity", "pre-RoPE"), ("q_similarity_post_rope", "post-RoPE"))),
+    ("angular_distance", "angular distance", (("angular_next", "input of layer l to input of l+1"),)),
+)
+CRITERION_LABELS = {"guided": "guided importance", "tappa": "TAPPA importance", "qsim": "q-similarity",
+                    "bi": "block influence", "angular": "block distance d(l, l+N)",
+                    "ppl": "perplexity with only this layer removed (round 1)"}
+
+
+def new_figure(**options):
+    """A Figure on the Agg canvas; MissingExtraError (one line) when matplotlib is not installed."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise MissingExtraError(MISSING) from error
+    figure = Figure(**options)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def save_figure(figure, path) -> Path:
+    """Render to a temporary file beside `path`, then rename it into place: readers see the old file or the
+    whole new one, and a failed render leaves nothing behind. The format follows the suffix (png by default)."""
+    path = Path(path)
+    kind = path.suffix.lstrip(".").lower() or "png"
+    if kind not in figure.canvas.get_supported_filetypes():
+        raise OptionError(f"cannot draw a .{kind} file; name the plot FILE.png (or .svg, .pdf)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.part")  # umask applies
+    try:
+        figure.savefig(temporary, format=kind)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _number(value) -> float:
+    """JSON value -> float; null (a value that was not measured) becomes NaN, a gap in the curve."""
+    return math.nan if value is None else float(value)
+
+
+def layers_text(layers) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9': removed sets as people read them."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+def score_series(scores: dict) -> dict[str, list[float]]:
+    """The scores JSON -> per-layer curves by name; post-RoPE and the angular curve only where recorded.
+
+    angular_next[l] is angular_distance[l][l+1]: layer l's input against layer l+1's (the last layer's
+    output for l = L-1), i.e. how far layer l alone turns the residual stream.
+    """
+    layers = sorted(scores["layers"], key=lambda layer: layer["index"])
+    series = {name: [_number(layer.get(name)) for layer in layers]
+              for name in ("block_influence", "q_similarity", "q_similarity_post_rope")}
+    if all(math.isnan(value) for value in series["q_similarity_post_rope"]):
+        del series["q_similarity_post_rope"]
+    distance, count = scores.get("angular_distance") or [], len(layers)
+    if len(distance) == count + 1 and all(len(row) == count + 1 for row in distance):
+        series["angular_next"] = [_number(distance[layer][layer + 1]) for layer in range(count)]
+    return series
+
+
+def candidates(plan: dict) -> list[tuple[str, float, bool]]:
+    """The guided search's measured proposals as (label, perplexity, chosen), in the order they were tried."""
+    removed = sorted(plan["removed"])
+    return [(f"{proposal['kind']}\n{layers_text(proposal['removed'])}", _number(proposal.get("perplexity")),
+             sorted(proposal["removed"]) == removed)
+            for proposal in (plan.get("parameters") or {}).get("proposals") or []]
+
+
+def _log_if_wide(ax, values) -> None:
+    positive = [value for value in values if math.isfinite(value) and value > 0]
+    if positive and max(positive) / min(positive) > LOG_SPAN:
+        ax.set_yscale("log")
+
+
+def _mark_removed(ax, removed, legend: bool) -> None:
+    """One shaded band per removed layer (gid 'removed'); the first panel names them in its legend."""
+    for number, layer in enumerate(sorted(removed)):
+        ax.axvspan(layer - 0.5, layer + 0.5, color=REMOVED_COLOUR, alpha=0.25, linewidth=0, gid="removed",
+                   label="removed" if legend and number == 0 else "_nolegend_")
+
+
+def _layer_panel(ax, name: str, ylabel: str, curves: list[tuple[str, list[float]]], removed, first: bool) -> None:
+    """One panel over the layer axis: its curves as dots joined by lines, the removed layers shaded."""
+    ax.set_label(name)
+    for label, values in curves:
+        ax.plot(range(len(values)), values, marker="o", markersize=3, linewidth=1.2, label=label)
+    _mark_removed(ax, removed, legend=first)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    if curves and name == "ppl":
+        _log_if_wide(ax, curves[0][1])
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=8, framealpha=0.8)
+
+
+def _candidate_panel(ax, entries: list[tuple[str, float, bool]], windows) -> None:
+    """One bar per measured proposal, the chosen one highlighted; an infinite (NaN) perplexity shows as ∞."""
+    ax.set_label("candidates")
+    heights = [value if math.isfinite(value) else math.nan for _, value, _ in entries]
+    colours = [CHOSEN_COLOUR if chosen else OTHER_COLOUR for _, _, chosen in entries]
+    bars = ax.bar(range(len(entries)), heights, color=colours)
+    ax.bar_label(bars, labels=[f"{value:.4g}" if math.isfinite(value) else "" for value in heights], fontsize=8)
+    for x, value in enumerate(heights):
+        if math.isnan(value):
+            ax.text(x, 0.5, "\u221e", transform=ax.get_xaxis_transform(), ha="center", fontsize=12)
+    ax.set_xticks(range(len(entries)), [label for label, _, _ in entries], fontsize=8)
+    for tick, (_, _, chosen) in zip(ax.get_xticklabels(), entries):
+        tick.set_fontweight("bold" if chosen else "normal")
+    ax.set_xlim(-0.6, len(entries) - 0.4)
+    finite = [value for value in heights if math.isfinite(value)]
+    _log_if_wide(ax, finite)
+    if finite and ax.get_yscale() == "log":
+        ax.set_ylim(min(finite) / 2, max(finite) * 3)  # room below the lowest bar and above the highest label
+    elif finite:
+        ax.set_ylim(0, max(finite) * 1.15)
+    ax.set_ylabel("perplexity")
+    where = f" on {windows} calibration windows" if windows else ""
+    ax.set_title(f"candidates measured{where} (highlighted: removed)", fontsize=9)
+
+
+def _layer_figure(num_layers: int, panels: list[tuple], removed, title: str, entries=(), windows=None):
+    """Panels sharing the layer axis, then (when given) the candidate bars on their own axis below."""
+    rows = max(1, len(panels)) + (1 if entries else 0)
+    figure = new_figure(figsize=(WIDTH, PANEL_HEIGHT * rows + 0.6), dpi=DPI, layout="constrained")
+    grid = figure.add_gridspec(rows, 1)
+    first = ax = None
+    for row, (name, ylabel, curves) in enumerate(panels or [("layers", "", [])]):
+        ax = figure.add_subplot(grid[row, 0], sharex=first)
+        first = first or ax
+        _layer_panel(ax, name, ylabel, curves, removed, first=row == 0)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.tick_params(labelbottom=row == len(panels) - 1 or not panels)
+        if not curves:
+            ax.set_yticks([])
+    first.set_xlim(-0.5, num_layers - 0.5)
+    ax.set_xlabel("layer (0-based, original model)")
+    if entries:
+        _candidate_panel(figure.add_subplot(grid[rows - 1, 0]), entries, windows)
+    figure.suptitle(title)
+    return figure
+
+
+def _score_panels(scores: dict) -> list[tuple]:
+    series = score_series(scores)
+    return [(name, ylabel, [(label, series[key]) for key, label in curves if key in series])
+            for name, ylabel, curves in SCORE_PANELS if any(key in series for key, _ in curves)]
+
+
+def layer_scores_figure(scores: dict, *, removed=(), title: str | None = None):
+    """The scores JSON as panels over the layer axis: block influence, q-similarity pre/post RoPE and the
+    angular distance to the next layer, with `removed` layers shaded."""
+    calibration = scores.get("calibration") or {}
+    default = f"{scores.get('model', 'model')}: per-layer scores"
+    if calibration.get("windows"):
+        default += f" ({calibration['windows']} windows of {calibration.get('seq_len')} tokens)"
+    return _layer_figure(len(scores["layers"]), _score_panels(scores), tuple(removed), title or default)
+
+
+def plot_layer_scores(scores: dict, path, *, removed=(), title: str | None = None):
+    """Draw layer_scores_figure into `path` (atomically, creating folders); returns the Figure."""
+    figure = layer_scores_figure(scores, removed=removed, title=title)
+    save_figure(figure, path)
+    return figure
+
+
+def prune_figure(scores: dict | None, plan: dict, *, title: str | None = None):
+    """The score panels (when scores exist), the criterion's per-layer values (ppl: each layer's first-round
+    perplexity), and the guided search's candidate perplexities, with the plan's removed layers shaded."""
+    num_layers, criterion = plan["num_layers"], plan.get("criterion", "")
+    if scores is not None and len(scores["layers"]) != num_layers:
+        raise OptionError(f"the scores are for {len(scores['layers'])} layers but the plan for {num_layers}; "
+                          "score this model again")
+    panels = _score_panels(scores) if scores is not None else []
+    values = plan.get("criterion_values")
+    if values and not (scores is not None and criterion in ("qsim", "bi")):  # those repeat a score panel
+        label = CRITERION_LABELS.get(criterion, f"{criterion} value")
+        name = "ppl" if criterion == "ppl" else "criterion"
+        panels.append((name, label if criterion != "ppl" else "perplexity", [(label, [_number(v) for v in values])]))
+    parameters = plan.get("parameters") or {}
+    default = f"{plan.get('base_model', 'model')}: --criterion {criterion} removes {layers_text(plan['removed'])}"
+    return _layer_figure(num_layers, panels, tuple(plan["removed"]), title or default, candidates(plan),
+                         parameters.get("refine_windows"))
+
+
+def plot_prune(scores: dict | None, plan: dict, path, *, title: str | None = None):
+    """Draw prune_figure into `path` (atomically, creating folders); returns the Figure."""
+    figure = prune_figure(scores, plan, title=title)
+    save_figure(figure, path)
+    return figure
