@@ -204,9 +204,9 @@ def score(
     output = one_of("--output-file", output_file, "--output", old_output)
     check_output_file(output, "--output-file")
     if plot is not None:
-        from prunetool.plots import require_matplotlib
+        from prunetool.plots import check_plot_path
 
-        require_matplotlib()
+        check_plot_path(plot)
     from prunetool.commands.score import run_score
 
     started = time.perf_counter()
@@ -290,9 +290,9 @@ def prune(
     """Remove decoder layers and write a loadable safetensors checkpoint (0-based original indices throughout)."""
     require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size, drop=drop)
     if plot is not None:
-        from prunetool.plots import require_matplotlib
+        from prunetool.plots import check_plot_path
 
-        require_matplotlib()
+        check_plot_path(plot)
     from prunetool.commands.prune import PruneRequest, run_prune
     from prunetool.report import perplexity_table, plan_table
 

@@ -41,6 +41,16 @@ def new_figure(**options):
     return figure
 
 
+def check_plot_path(path) -> None:
+    """Before any slow work: matplotlib is installed, the file type can be drawn, the target is no folder."""
+    path = Path(path)
+    kind = path.suffix.lstrip(".").lower() or "png"
+    if path.is_dir():
+        raise OptionError(f"--plot {path} is a folder; give a file name such as scores.png")
+    if kind not in new_figure().canvas.get_supported_filetypes():
+        raise OptionError(f"cannot draw a .{kind} file; name the plot FILE.png (or .svg, .pdf)")
+
+
 def save_figure(figure, path) -> Path:
     """Render to a temporary file beside `path`, then rename it into place: readers see the old file or the
     whole new one, and a failed render leaves nothing behind. The format follows the suffix (png by default)."""

@@ -124,3 +124,32 @@ def test_prune_request_is_built_by_keyword():
     with pytest.raises(TypeError):
         PruneRequest("model", 2)  # positional arguments would silently shift when an option is added
     assert PruneRequest(model="m", drop=2).criterion == "guided"
+
+
+def test_score_and_prune_plots(tiny_checkpoint, calib_file, tmp_path):
+    from prunetool.plots import prune_figure
+
+    model = str(tiny_checkpoint("qwen2"))
+    calib = ["--calib", str(calib_file), "--seq-len", "16", "--samples", "6"]
+    scored = runner.invoke(app, ["score", model, *calib, "--drop", "2", "--plot", str(tmp_path / "s.png")])
+    assert scored.exit_code == 0, scored.output
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pruned = runner.invoke(app, ["prune", "--drop", "2", "--refine-windows", "2", "--output-dir", str(tmp_path / "p"),
+                                 "--plot", str(tmp_path / "p.png"), "--json"])
+    assert pruned.exit_code == 0, pruned.output
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = json.loads(pruned.stdout)["plan"]
+    # the figure the CLI drew has one bar per candidate the search measured
+    record = json.loads((tmp_path / "p" / "prune.json").read_text())
+    figure = prune_figure(None, record)
+    bars = [ax for ax in figure.axes if "perplexity" in ax.get_ylabel() or "perplexity" in ax.get_xlabel()]
+    assert bars and len(bars[-1].patches) >= len(plan["parameters"]["proposals"])
+
+
+@pytest.mark.parametrize("name, words", [("plot.docx", ["docx"]), ("", ["folder"])])
+def test_bad_plot_target_is_refused_before_scoring(tiny_checkpoint, tmp_path, monkeypatch, name, words):
+    import prunetool.loading
+
+    monkeypatch.setattr(prunetool.loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    result = runner.invoke(app, ["score", str(tiny_checkpoint("llama")), "--plot", str(tmp_path / name)])
+    assert result.exit_code == 1 and all(word in result.stderr for word in words), result.stderr

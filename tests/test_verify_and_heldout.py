@@ -3,8 +3,9 @@
 
 Numbers these tests lean on (tiny models, CPU, measured when they were written): reloading in the same
 dtype reproduces the in-memory perplexity exactly; cached vs uncached log-probabilities differ by at
-most 0.10 in bfloat16 and 0.018 in float16 (CACHE_LOGPROB_ATOL is 0.5), while a stale layer index moves
-them by 5 to 9.5; swapping layers 0 and 2 of the pruned llama moves its perplexity by ~19%.
+most 0.10 in bfloat16 and 0.018 in float16 (CACHE_LOGPROB_ATOL is 2.0: SmolLM2-135M's rounding reaches
+0.54), while a stale layer index moves them by 5 to 9.5; swapping layers 0 and 2 of the pruned llama
+moves its perplexity by ~19%.
 """
 
 import hashlib
@@ -103,7 +104,7 @@ def test_bfloat16_prune_verifies_in_bfloat16(arch, tiny_checkpoint, calib_file, 
     checked = report["verification"]
     assert checked["dtype"] == "bfloat16" and checked["layers"] == 4
     assert "cached_generation_matches" not in checked  # half precision compares log-probs, not tokens
-    assert 0 <= checked["cached_logprob_gap"] <= CACHE_LOGPROB_ATOL / 2  # measured <= 0.10: room to spare
+    assert 0 <= checked["cached_logprob_gap"] <= min(0.25, CACHE_LOGPROB_ATOL)  # measured <= 0.10
     assert checked["perplexity"] == pytest.approx(report["perplexity"]["after"], rel=0.02)
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
 
@@ -221,7 +222,7 @@ def test_half_precision_cache_check_separates_rounding_from_a_stale_layer_index(
     prompt = held_out[:1, :PROMPT_TOKENS]
     with torch.inference_mode():
         continuation = greedy(model, prompt, use_cache=False)
-        assert cached_logprob_gap(model, prompt, continuation, BF16_CPU) <= CACHE_LOGPROB_ATOL / 2
+        assert cached_logprob_gap(model, prompt, continuation, BF16_CPU) <= min(0.25, CACHE_LOGPROB_ATOL)
         model.get_decoder().layers[1].self_attn.layer_idx = 0  # writes into layer 0's cache slot
         with pytest.raises(VerificationError, match="KV cache"):
             cached_logprob_gap(model, prompt, continuation, BF16_CPU)

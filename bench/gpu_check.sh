@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One prepared GPU check of prunetool in half precision: score -> prune (default guided criterion, with
+# verification in the same dtype and device) -> heads -> a small eval of the current run.
+#
+# Run from the repository root with the package installed (`prunetool` on PATH, or PRUNETOOL="python -m
+# prunetool"). The model must already be readable there (a folder, or a demo alias already in the
+# prunetool cache): a machine without network cannot fetch it.
+#
+#   bench/gpu_check.sh                                   # bfloat16 on cuda, smollm2-135m, under 8 minutes
+#   DEVICE=cpu DTYPE=float32 SEQ_LEN=64 CALIB=wikitext.raw bench/gpu_check.sh  # a rehearsal on the CPU
+#
+# Every setting is an environment variable (defaults in brackets): OUT [a new temp folder], MODEL
+# [smollm2-135m], DTYPE [bfloat16], DEVICE [cuda], SAMPLES [8], DROP [6], HEAD_SAMPLES [2], LIMIT [10],
+# SEQ_LEN [the tool's default], CALIB [the model's own generated text], BUDGET [480 seconds for all steps together; each step gets what is left].
+# Each step's stdout goes to $OUT/<step>.out and its stderr to $OUT/<step>.log; a failing step is named
+# on stderr (gpu_check: FAILED at step '...') after the end of its output, and the script exits 1.
+set -euo pipefail
+
+OUT=${OUT:-$(mktemp -d)}
+MODEL=${MODEL:-smollm2-135m}
+DTYPE=${DTYPE:-bfloat16}
+DEVICE=${DEVICE:-cuda}
+SAMPLES=${SAMPLES:-8}
+DROP=${DROP:-6}
+HEAD_SAMPLES=${HEAD_SAMPLES:-2}
+LIMIT=${LIMIT:-10}
+SEQ_LEN=${SEQ_LEN:-}
+CALIB=${CALIB:-}
+BUDGET=${BUDGET:-480}
+read -r -a PRUNETOOL <<<"${PRUNETOOL:-prunetool}"
+PYTHON=${PYTHON:-python}
+
+mkdir -p "$OUT"
+SEQ=()
+HEAD_SEQ=()
+if [[ -n "$SEQ_LEN" ]]; then
+    SEQ=(--seq-len "$SEQ_LEN")
+    HEAD_SEQ=(--seq-len "$SEQ_LEN")
+fi
+if [[ -n "$CALIB" ]]; then  # prune and eval take the scores' calibration from the current run
+    SEQ+=(--calib "$CALIB")
+    HEAD_SEQ+=(--calib "$CALIB")
+fi
+COMMON=(--dtype "$DTYPE" --device "$DEVICE")
+START=$SECONDS
+TIMES=()
+
+# step NAME COMMAND...: run with what is left of BUDGET, log to $OUT/NAME.log, time it, name it on failure.
+step() {
+    local name=$1
+    shift
+    local left=$((BUDGET - (SECONDS - START)))
+    if ((left <= 0)); then
+        echo "gpu_check: FAILED at step '$name': the ${BUDGET}s budget is spent before it could start" >&2
+        exit 1
+    fi
+    echo "== $name (at most ${left}s): ${*}"
+    local began=$SECONDS rc=0
+    timeout --kill-after=10 "$left" "$@" >"$OUT/$name.out" 2>"$OUT/$name.log" || rc=$?
+    local took=$((SECONDS - began))
+    if ((rc != 0)); then
+        tail -n 5 "$OUT/$name.out" >&2 || true
+        tail -n 20 "$OUT/$name.log" >&2 || true
+        if ((rc == 124 || rc == 137)); then
+            echo "gpu_check: FAILED at step '$name': timed out after ${took}s (budget ${BUDGET}s; log $OUT/$name.log)" >&2
+        else
+            echo "gpu_check: FAILED at step '$name' (exit $rc after ${took}s; log $OUT/$name.log)" >&2
+        fi
+        exit 1
+    fi
+    TIMES+=("$name ${took}s")
+    echo "   $name ok in ${took}s"
+}
+
+step score "${PRUNETOOL[@]}" score "$MODEL" "${COMMON[@]}" --samples "$SAMPLES" "${SEQ[@]}" \
+    --output-file "$OUT/scores.json"
+# MODEL omitted: the current run (the scores just computed) is the starting point.
+step prune "${PRUNETOOL[@]}" prune --drop "$DROP" "${COMMON[@]}" --output-dir "$OUT/pruned" --force --json
+step heads "${PRUNETOOL[@]}" heads "$MODEL" "${COMMON[@]}" --samples "$HEAD_SAMPLES" "${HEAD_SEQ[@]}" \
+    --output-dir "$OUT/heads" --force
+step eval "${PRUNETOOL[@]}" eval --tasks heldout_ppl,hop_name --limit "$LIMIT" "${COMMON[@]}" \
+    --output-file "$OUT/eval.json"
+
+# What the run is for: the checks held in $DTYPE on $DEVICE, and by how much.
+NUMBERS=$("$PYTHON" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+record = json.loads((out / "pruned" / "prune.json").read_text())
+report = json.loads((out / "prune.out").read_text())  # --json: the report is stdout
+ppl, check = report["perplexity"], report["verification"]
+gap = abs(check["perplexity"] - ppl["after"]) / ppl["after"]
+cache = (f"cache logprob gap {check['cached_logprob_gap']:.4f} (atol {check['cache_logprob_atol']})"
+         if "cached_logprob_gap" in check else f"cached greedy identical: {check['cached_generation_matches']}")
+models = json.loads((out / "eval.json").read_text())["models"]
+held = {label: entry["heldout_ppl"]["perplexity"] for label, entry in models.items() if "heldout_ppl" in entry}
+print(f"removed {record['removed']}; held-out ppl {ppl['before']:.3f} -> {ppl['after']:.3f}; reloaded "
+      f"{check['perplexity']:.3f} (relative gap {gap:.2e}, rtol {check['perplexity_rtol']}); {cache}; "
+      f"eval heldout_ppl {', '.join(f'{k} {v:.3f}' for k, v in held.items())}")
+EOF
+) || { echo "gpu_check: FAILED at step 'summary': could not read the reports in $OUT" >&2; exit 1; }
+
+echo "gpu_check: OK, $DTYPE on $DEVICE, $MODEL, $((SECONDS - START))s of ${BUDGET}s (${TIMES[*]}); $NUMBERS; outputs in $OUT"
