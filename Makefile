@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml
 # The demo needs neither internet nor a data folder: eval then runs the hop probes and held-out perplexity.
 demo: setup
 	$(BIN)/prunetool models
-	$(BIN)/prunetool score smollm2-135m --output demo-scores.json
-	$(BIN)/prunetool heads smollm2-135m --kv-budget 128 --output demo-heads --force
-	$(BIN)/prunetool prune --drop 6 --output demo-pruned --force
-	$(BIN)/prunetool eval --limit 10 --output demo-eval.json
+	$(BIN)/prunetool score smollm2-135m --output-file demo-scores.json --plot demo-scores.png
+	$(BIN)/prunetool heads smollm2-135m --kv-budget 128 --output-dir demo-heads --force
+	$(BIN)/prunetool prune --drop 6 --output-dir demo-pruned --force --plot demo-prune.png
+	$(BIN)/prunetool eval --limit 10 --output-file demo-eval.json
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
@@ -35,4 +35,4 @@ bench: setup
 	$(BIN)/python bench/score_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache demo-scores.json demo-heads demo-pruned demo-eval.json
+	rm -rf $(VENV) .pytest_cache demo-scores.json demo-scores.png demo-heads demo-pruned demo-prune.png demo-eval.json
