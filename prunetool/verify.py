@@ -56,6 +56,13 @@ def greedy(model, prompt: torch.Tensor, *, use_cache: bool) -> list[int]:
     return output[0, prompt.shape[1]:].tolist()
 
 
+def cache_argument(model) -> str:
+    """transformers >= 5.24 names the forward's cache `cache` (`past_key_values` is deprecated); older 5.x do not."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def cached_logprob_gap(model, prompt: torch.Tensor, continuation: list[int], setting: "VerifySetting") -> float:
     """Half precision: feed one sequence token by token through the KV cache and all at once without it.
 
@@ -68,8 +75,8 @@ def cached_logprob_gap(model, prompt: torch.Tensor, continuation: list[int], set
     output = model(prompt, use_cache=True)
     steps = [output.logits[0, -1]]
     for token in continuation[:-1]:
-        output = model(torch.tensor([[token]], device=prompt.device), past_key_values=output.past_key_values,
-                       use_cache=True)
+        output = model(torch.tensor([[token]], device=prompt.device), use_cache=True,
+                       **{cache_argument(model): output.past_key_values})
         steps.append(output.logits[0, -1])
     stepped = torch.log_softmax(torch.stack(steps).float(), -1)
     gap = float((stepped - whole).abs().max())

@@ -273,9 +273,6 @@ def test_prune_from_a_scores_file_uses_the_scores_calibration(tiny_checkpoint, c
     assert held["sha256"] == sha256(calib_file) and held["seq_len"] == SEQ and held["first_token"] == 4 * SEQ
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with recorded scores and a scores-only criterion (bi, qsim, tappa, "
-                   "angular) prune loads no selection windows, so the held-out windows start at token 0, inside "
-                   "the scored windows, and the scores' sha256 is not checked (commands/prune.py load_windows)")
 @pytest.mark.parametrize("criterion", ["bi", "qsim"])
 def test_scores_only_criteria_also_hold_out_text_after_the_scored_windows(criterion, tiny_checkpoint, calib_file,
                                                                         tmp_path):

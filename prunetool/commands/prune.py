@@ -224,7 +224,9 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         clock = time.perf_counter()
         model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
                                       trust_remote_code=request.trust_remote_code)
-        calibration = load_windows(start, tokenizer, model, source, selection=selects_on_windows,
+        # a criterion's windows are cut even when only recorded scores rank: the held-out text must start
+        # after the text those scores saw, and its sha256 is checked against theirs
+        calibration = load_windows(start, tokenizer, model, source, selection=manual is None,
                                    holdout=HOLDOUT_WINDOWS if verifying else 0)
         console.print(f"loaded the model and {calibration.windows} selection + "
                       f"{0 if calibration.held_out is None else len(calibration.held_out)} held-out windows in "
