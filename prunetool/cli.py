@@ -227,7 +227,8 @@ def score(
     if plot is not None:
         from prunetool.plots import plot_layer_scores
 
-        plot_layer_scores(data, plot, removed=marked, title=f"{scores.model}: the {count} lowest-ranked layers marked")
+        plot_layer_scores(data, plot, removed=marked, title=f"{scores.model}: the {count} lowest-ranked layers marked",
+                          band_label="marked: where prune --drop starts")
     if json_out:
         typer.echo(json.dumps(data))
     else:

@@ -116,19 +116,20 @@ def _log_if_wide(ax, values) -> None:
         ax.set_yscale("log")
 
 
-def _mark_removed(ax, removed, legend: bool) -> None:
+def _mark_removed(ax, removed, legend: bool, label: str = "removed") -> None:
     """One shaded band per removed layer (gid 'removed'); the first panel names them in its legend."""
     for number, layer in enumerate(sorted(removed)):
         ax.axvspan(layer - 0.5, layer + 0.5, color=REMOVED_COLOUR, alpha=0.25, linewidth=0, gid="removed",
-                   label="removed" if legend and number == 0 else "_nolegend_")
+                   label=label if legend and number == 0 else "_nolegend_")
 
 
-def _layer_panel(ax, name: str, ylabel: str, curves: list[tuple[str, list[float]]], removed, first: bool) -> None:
+def _layer_panel(ax, name: str, ylabel: str, curves: list[tuple[str, list[float]]], removed, first: bool,
+                 band_label: str = "removed") -> None:
     """One panel over the layer axis: its curves as dots joined by lines, the removed layers shaded."""
     ax.set_label(name)
     for label, values in curves:
         ax.plot(range(len(values)), values, marker="o", markersize=3, linewidth=1.2, label=label)
-    _mark_removed(ax, removed, legend=first)
+    _mark_removed(ax, removed, legend=first, label=band_label)
     ax.set_ylabel(ylabel)
     ax.grid(axis="y", alpha=0.3)
     if curves and name == "ppl":
@@ -162,7 +163,8 @@ def _candidate_panel(ax, entries: list[tuple[str, float, bool]], windows) -> Non
     ax.set_title(f"candidates measured{where} (highlighted: removed)", fontsize=9)
 
 
-def _layer_figure(num_layers: int, panels: list[tuple], removed, title: str, entries=(), windows=None):
+def _layer_figure(num_layers: int, panels: list[tuple], removed, title: str, entries=(), windows=None,
+                  band_label: str = "removed"):
     """Panels sharing the layer axis, then (when given) the candidate bars on their own axis below."""
     rows = max(1, len(panels)) + (1 if entries else 0)
     figure = new_figure(figsize=(WIDTH, PANEL_HEIGHT * rows + 0.6), dpi=DPI, layout="constrained")
@@ -171,7 +173,7 @@ def _layer_figure(num_layers: int, panels: list[tuple], removed, title: str, ent
     for row, (name, ylabel, curves) in enumerate(panels or [("layers", "", [])]):
         ax = figure.add_subplot(grid[row, 0], sharex=first)
         first = first or ax
-        _layer_panel(ax, name, ylabel, curves, removed, first=row == 0)
+        _layer_panel(ax, name, ylabel, curves, removed, first=row == 0, band_label=band_label)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.tick_params(labelbottom=row == len(panels) - 1 or not panels)
         if not curves:
@@ -190,19 +192,20 @@ def _score_panels(scores: dict) -> list[tuple]:
             for name, ylabel, curves in SCORE_PANELS if any(key in series for key, _ in curves)]
 
 
-def layer_scores_figure(scores: dict, *, removed=(), title: str | None = None):
+def layer_scores_figure(scores: dict, *, removed=(), title: str | None = None, band_label: str = "removed"):
     """The scores JSON as panels over the layer axis: block influence, q-similarity pre/post RoPE and the
     angular distance to the next layer, with `removed` layers shaded."""
     calibration = scores.get("calibration") or {}
     default = f"{scores.get('model', 'model')}: per-layer scores"
     if calibration.get("windows"):
         default += f" ({calibration['windows']} windows of {calibration.get('seq_len')} tokens)"
-    return _layer_figure(len(scores["layers"]), _score_panels(scores), tuple(removed), title or default)
+    return _layer_figure(len(scores["layers"]), _score_panels(scores), tuple(removed), title or default,
+                         band_label=band_label)
 
 
-def plot_layer_scores(scores: dict, path, *, removed=(), title: str | None = None):
+def plot_layer_scores(scores: dict, path, *, removed=(), title: str | None = None, band_label: str = "removed"):
     """Draw layer_scores_figure into `path` (atomically, creating folders); returns the Figure."""
-    figure = layer_scores_figure(scores, removed=removed, title=title)
+    figure = layer_scores_figure(scores, removed=removed, title=title, band_label=band_label)
     save_figure(figure, path)
     return figure
 
