@@ -97,3 +97,27 @@ def test_rendering_loads_no_model():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_heads_prose_quotes_the_committed_heads_results():
+    """docs/heads.md interprets its tables in prose; the figures it quotes must still be the measured ones."""
+    import json
+    from collections import Counter
+
+    text = " ".join((ROOT / "docs" / "heads.md").read_text().split())
+    quoted = []
+    for model in ("smollm2", "gemma3"):
+        data = json.loads((ROOT / "bench" / "results" / f"heads-{model}.json").read_text())["heads"]
+        heads = data["heads"]
+        types = Counter(head["type"] for head in heads)
+        labels = Counter((head["type"], head["swap"]["label"]) for head in heads)
+        c = data["correlation"]
+        quoted.append(f"{labels['sequential', 'positional']} of {types['sequential']}")
+        quoted.append(f"{labels['retrieval', 'symbolic']} of {types['retrieval']}")
+        quoted.append(f"{c['post_rope']['pearson_vs_predictable']:.2f}")
+        quoted.append(f"{c['layers']['pearson_post_rope_vs_predictable_share']:.2f}")
+        quoted.append(f"({c['pre_rope']['pearson_vs_predictable']:.2f})")
+        if model == "gemma3":
+            quoted.append(f"only {types['re-access']} of {len(heads)} heads are re-access")
+    missing = [phrase for phrase in quoted if phrase not in text]
+    assert not missing, f"docs/heads.md no longer quotes {missing}: update its prose to the new results"
