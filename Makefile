@@ -6,7 +6,7 @@ STAMP := $(VENV)/.prunetool-installed
 # torch first, pinned to the CPU build this machine carries, so no multi-GB CUDA wheel is pulled.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench docs clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python bench/score_overhead.py
+
+# Results tables in docs/ and README.md, and docs/quality.png, from bench/results/*.json; runs no model.
+docs: setup
+	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python bench/render_docs.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache demo-scores.json demo-scores.png demo-heads demo-pruned demo-prune.png demo-eval.json

@@ -30,6 +30,7 @@ transformers imports included); the start-up alone (`mergekit-yaml --help`, whic
 imports) is printed under the table. When the mergekit binary is missing the method is skipped
 with a note. `--check-mergekit` instead writes the cut once with both tools and compares tensor
 names, dtypes, shapes and values (torch.equal), config.json and the other files.
+Timings are written to bench/results/prune_write.json; `table` renders it for docs/benchmarks.md.
 """
 
 import argparse
@@ -42,6 +43,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -212,13 +215,15 @@ def run_case(name: str, source: Path, layers: str, repeats: int, work: Path, mer
     return [{"checkpoint": name, "method": m, **r} for m, r in results.items()]
 
 
-def print_table(rows: list[dict], stats: dict[str, tuple[int, int]]) -> None:
-    print("| checkpoint | method | write s | MB/s written | process s | peak RSS MB | RSS before call MB | "
-          "largest shard MB | checkpoint MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def table(results: dict) -> str:
+    """The docs table: median write time, throughput and peak RSS per checkpoint layout and method."""
+    lines = [f"Removing layers {results['layers']}; {results['repeats']} repeats, median time, max peak RSS; "
+             f"{results['cpus']} CPUs:", "",
+             "| checkpoint | method | write s | MB/s written | process s | peak RSS MB | RSS before call MB | "
+             "largest shard MB | checkpoint MB |", "|---|---|---|---|---|---|---|---|---|"]
     failures = []
-    for row in rows:
-        total, largest = stats[row["checkpoint"]]
+    for row in results["rows"]:
+        total, largest = results["checkpoints"][row["checkpoint"]]
         method = row["method"]
         if row.get("failed"):
             failures.append(f"[{len(failures) + 1}] {row['checkpoint']}, {method}: {row['failed']} (times and RSS are "
@@ -227,11 +232,14 @@ def print_table(rows: list[dict], stats: dict[str, tuple[int, int]]) -> None:
         seconds = statistics.median(row["seconds"])
         before = f"{max(row['before']) / MB:.0f}" if max(row["before"]) else "-"
         process = statistics.median(row["process"])
-        print(f"| {row['checkpoint']} | {method} | {seconds:.2f} | {row['out_bytes'] / MB / seconds:.0f} | "
-              f"{process:.2f} | "
-              f"{max(row['rss']) / MB:.0f} | {before} | {largest / MB:.0f} | {total / MB:.0f} |")
-    for failure in failures:
-        print(failure)
+        lines.append(f"| {row['checkpoint']} | {method} | {seconds:.2f} | {row['out_bytes'] / MB / seconds:.0f} | "
+                     f"{process:.2f} | {max(row['rss']) / MB:.0f} | {before} | {largest / MB:.0f} | {total / MB:.0f} |")
+    lines += failures
+    if results.get("mergekit_startup"):
+        seconds, rss = results["mergekit_startup"]
+        lines += ["", "mergekit start-up alone (`mergekit-yaml --help`: Python, torch, transformers imports): "
+                  f"{seconds:.2f} s, peak RSS {rss / MB:.0f} MB; included in mergekit's write s."]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -273,14 +281,14 @@ def main() -> None:
         stats[name] = folder_stats(folder)
         with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".bench-") as work:
             rows += run_case(name, folder, args.layers, args.repeats, Path(work), mergekit_bin)
+    startup = None
     if mergekit_bin is not None:
-        startup = [measure([str(mergekit_bin), "--help"]) for _ in range(max(1, min(args.repeats, 3)))]
-    print(f"removing layers {args.layers}; {args.repeats} repeats, median time, max peak RSS; {os.cpu_count()} CPUs")
-    print_table(rows, stats)
-    if mergekit_bin is not None:
-        seconds, rss = statistics.median(s for s, _, _ in startup), max(r for _, r, _ in startup)
-        print(f"\nmergekit start-up alone (`mergekit-yaml --help`: Python, torch, transformers imports): "
-              f"{seconds:.2f} s, peak RSS {rss / MB:.0f} MB; included in mergekit's write s.")
+        runs = [measure([str(mergekit_bin), "--help"]) for _ in range(max(1, min(args.repeats, 3)))]
+        startup = (statistics.median(s for s, _, _ in runs), max(r for _, r, _ in runs))
+    results = {"model": args.model, "layers": args.layers, "repeats": args.repeats, "cpus": os.cpu_count(),
+               "checkpoints": stats, "rows": rows, "mergekit_startup": startup}
+    write_results("prune_write", results)
+    print(table(results))
 
 
 def check_mergekit(source: Path, layers: str, mergekit_bin: Path) -> int:

@@ -1,6 +1,7 @@
 """Query self-similarity: prunetool's O(T*D) form against the explicit T x T Gram matrix.
 
 Run: .venv/bin/python bench/qsim_cost.py [--heads 9] [--head-dim 64] [--repeats 5]
+Writes bench/results/qsim_cost.json; `table` renders it for docs/benchmarks.md (bench/render_docs.py).
 
 Both compute the mean cosine over all ordered pairs of distinct query vectors, per head, for one
 window of T tokens (SmolLM2-135M's shape by default: 9 query heads of 64). The Gram form normalises,
@@ -15,6 +16,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from provenance import write_results
 
 from prunetool.metrics import mean_pairwise_cosine
 
@@ -46,19 +49,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"{args.heads} heads x {args.head_dim} dims, float32 queries, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats}")
-    print("| T | Gram ms | O(T*D) ms | speed-up | Gram matrix MB | unit vectors MB | max abs diff |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
     for t in map(int, args.lengths.split(",")):
         q = torch.randn(args.heads, t, args.head_dim) + 0.5  # a shared offset, as real queries have
         gram_s, want = timed(gram_mean_cosine, q, args.repeats)
         linear_s, got = timed(mean_pairwise_cosine, q, args.repeats)
-        gram_mb = args.heads * t * t * 8 / 1e6
-        unit_mb = args.heads * t * args.head_dim * 4 / 1e6
-        diff = (got - want).abs().max().item()
-        print(f"| {t} | {gram_s * 1e3:.2f} | {linear_s * 1e3:.3f} | {gram_s / linear_s:.0f}x | {gram_mb:.0f} | "
-              f"{unit_mb:.1f} | {diff:.1e} |")
+        rows.append({"tokens": t, "gram_seconds": gram_s, "linear_seconds": linear_s,
+                     "gram_bytes": args.heads * t * t * 8, "unit_vector_bytes": args.heads * t * args.head_dim * 4,
+                     "max_abs_diff": (got - want).abs().max().item()})
+    results = {"heads": args.heads, "head_dim": args.head_dim, "threads": torch.get_num_threads(),
+               "repeats": args.repeats, "rows": rows}
+    write_results("qsim_cost", results)
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    """The docs table: one row per window length."""
+    lines = [f"{results['heads']} heads x {results['head_dim']} dims, float32 queries, {results['threads']} threads, "
+             f"median of {results['repeats']} calls after a warm-up:", "",
+             "| T | Gram ms | O(T*D) ms | speed-up | Gram matrix MB | unit vectors MB | max abs diff |",
+             "|---|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        lines.append(f"| {row['tokens']} | {row['gram_seconds'] * 1e3:.2f} | {row['linear_seconds'] * 1e3:.3f} | "
+                     f"{row['gram_seconds'] / row['linear_seconds']:.0f}x | {row['gram_bytes'] / 1e6:.0f} | "
+                     f"{row['unit_vector_bytes'] / 1e6:.1f} | {row['max_abs_diff']:.1e} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

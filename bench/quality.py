@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "bench" / "results" / "quality.json"
@@ -108,6 +110,9 @@ def main() -> None:
     if args.report:
         report(load_results())
         return
+    results = load_results()
+    results.setdefault("provenance", []).append(provenance())  # one record per measuring run; entries are cached
+    save_results(results)
     for alias in args.models.split(","):
         run_model(alias, args)
 
@@ -278,18 +283,35 @@ LABELS = {"guided": "guided (default)", "tappa-0.3": "tappa (beta 0.3, as publis
           "random": "random (mean of 5 seeds)"}
 
 
+def measured(results: dict) -> list[tuple[str, dict]]:
+    """(model, entry) pairs of the results file, without its provenance records."""
+    return [(alias, entry) for alias, entry in results.items() if alias in MODELS]
+
+
+def default_removal(results: dict, alias: str, drop: int) -> list[int]:
+    """The layers the default criterion (guided) removed from `alias` at `drop`, as measured here."""
+    return results[alias]["configs"]["guided"]["drops"][str(drop)]["removed"]
+
+
 def fmt(value: float) -> str:
     return f"{value:.1f}" if value < 1e4 else f"{value:.1e}"
 
 
 def report(results: dict) -> None:
     """Markdown tables (stdout) and the perplexity-against-drop plot (docs/quality.png)."""
-    for alias, entry in results.items():
+    print(report_markdown(results))
+    plot(results)
+
+
+def report_markdown(results: dict) -> str:
+    """The tables of docs/benchmarks.md, from the cached results alone (bench/render_docs.py calls this)."""
+    out: list[str] = []  # blocks of lines, joined by newlines as print would
+    for alias, entry in measured(results):
         drops = MODELS[alias]
         configs = entry["configs"]
-        print(f"\n### {alias}: WikiText-2 perplexity after removing N layers (base {entry['base']:.2f})\n")
-        print("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " | selection s (all N) |")
-        print("|---|" + "---|" * (len(drops) + 1))
+        out.append(f"\n### {alias}: WikiText-2 perplexity after removing N layers (base {entry['base']:.2f})\n")
+        out.append("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " | selection s (all N) |")
+        out.append("|---|" + "---|" * (len(drops) + 1))
         order = ["guided", "qsim", "tappa-0.1", "tappa-0.3", "tappa-1", "bi", "angular", "last", "ppl", "random"]
         order += [name for name in configs if name not in order]
         for name in order:
@@ -298,28 +320,28 @@ def report(results: dict) -> None:
             row = configs[name]
             cells = [fmt(row["drops"][str(d)]["ppl"]) if str(d) in row["drops"] else "-" for d in drops]
             seconds = f"{row['select_seconds']:.0f}" if "select_seconds" in row else "-"
-            print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + f" | {seconds} |")
+            out.append(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + f" | {seconds} |")
         best = [min(configs[p]["drops"][str(d)]["ppl"] for p in PEERS if p in configs) for d in drops]
         ours = [configs["guided"]["drops"][str(d)]["ppl"] for d in drops] if "guided" in configs else None
-        print("| best of bi, angular, tappa, last | " + " | ".join(fmt(v) for v in best) + " | |")
+        out.append("| best of bi, angular, tappa, last | " + " | ".join(fmt(v) for v in best) + " | |")
         if ours:
             verdict = ["yes" if o <= b * (1 + 1e-9) else f"no (+{100 * (o / b - 1):.1f}%)" for o, b in zip(ours, best)]
-            print("| guided no worse? | " + " | ".join(verdict) + " | |")
-        print(f"\nRemoved layers (0-based):\n")
-        print("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " |")
-        print("|---|" + "---|" * len(drops))
+            out.append("| guided no worse? | " + " | ".join(verdict) + " | |")
+        out.append(f"\nRemoved layers (0-based):\n")
+        out.append("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " |")
+        out.append("|---|" + "---|" * len(drops))
         for name in order:
             if name in configs and name != "random":
-                print(f"| {name} | " + " | ".join(
+                out.append(f"| {name} | " + " | ".join(
                     ",".join(map(str, configs[name]["drops"][str(d)]["removed"])) for d in drops) + " |")
         accuracy = entry.get("accuracy", {})
         if accuracy:
             tasks = ACCURACY_TASKS.split(",")
             limits = sorted({row["limit"] for row in accuracy.values()})
-            print(f"\nlm-eval accuracy, first {'/'.join(map(str, limits))} documents per task (local copies; "
-                  "0-shot; acc, with acc_norm in brackets where lm-eval reports it)\n")
-            print("| model | " + " | ".join(tasks) + " | mean acc |")
-            print("|---|" + "---|" * (len(tasks) + 1))
+            out.append(f"\nlm-eval accuracy, first {'/'.join(map(str, limits))} documents per task (local copies; "
+                       "0-shot; acc, with acc_norm in brackets where lm-eval reports it)\n")
+            out.append("| model | " + " | ".join(tasks) + " | mean acc |")
+            out.append("|---|" + "---|" * (len(tasks) + 1))
             for key, row in accuracy.items():
                 cells, accs = [], []
                 for task in tasks:
@@ -327,20 +349,20 @@ def report(results: dict) -> None:
                     accs.append(metric.get("acc", float("nan")))
                     norm = f" ({metric['acc_norm']:.3f})" if "acc_norm" in metric else ""
                     cells.append(f"{metric.get('acc', float('nan')):.3f}{norm}")
-                print(f"| {key} | " + " | ".join(cells) + f" | {sum(accs) / len(accs):.3f} |")
+                out.append(f"| {key} | " + " | ".join(cells) + f" | {sum(accs) / len(accs):.3f} |")
         shift = entry.get("calibration_shift", {})
         if shift:
-            print(f"\nCalibration sensitivity against {MAIN_CALIBRATION}: Spearman of per-layer scores, and the "
-                  "share of removed layers in common at each N\n")
+            out.append(f"\nCalibration sensitivity against {MAIN_CALIBRATION}: Spearman of per-layer scores, and the "
+                       "share of removed layers in common at each N\n")
             kinds = ("guided", "bi", "tappa", "qsim")
-            print("| calibration | q-sim | post-RoPE q-sim | BI | " + " | ".join(f"{c} overlap" for c in kinds) + " |")
-            print("|---|---|---|---|" + "---|" * len(kinds))
+            out.append("| calibration | q-sim | post-RoPE q-sim | BI | " + " | ".join(f"{c} overlap" for c in kinds) + " |")
+            out.append("|---|---|---|---|" + "---|" * len(kinds))
             for label, row in shift.items():
                 overlaps = ["/".join(f"{row[f'overlap_{c}'][str(d)]:.2f}" for d in drops) if f"overlap_{c}" in row
                             else "-" for c in kinds]
-                print(f"| {label} | {row['q_similarity']:.3f} | {row['q_similarity_post_rope']:.3f} | "
-                      f"{row['block_influence']:.3f} | " + " | ".join(overlaps) + " |")
-    plot(results)
+                out.append(f"| {label} | {row['q_similarity']:.3f} | {row['q_similarity_post_rope']:.3f} | "
+                           f"{row['block_influence']:.3f} | " + " | ".join(overlaps) + " |")
+    return "\n".join(out).strip("\n")
 
 
 def plot(results: dict) -> None:
@@ -349,10 +371,11 @@ def plot(results: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
-    axes = [axes] if len(results) == 1 else axes
+    models = measured(results)
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5))
+    axes = [axes] if len(models) == 1 else axes
     styles = {"guided": ("black", "-", 2.5), "ppl": ("tab:gray", "--", 1.5), "random": ("tab:gray", ":", 1.5)}
-    for axis, (alias, entry) in zip(axes, results.items()):
+    for axis, (alias, entry) in zip(axes, models):
         drops = (0,) + MODELS[alias]
         for name in ["guided", "qsim", "tappa-0.3", "bi", "angular", "last", "ppl", "random"]:
             if name not in entry["configs"]:

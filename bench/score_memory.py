@@ -6,6 +6,7 @@ Each run is its own process (`python -m prunetool score ... --json -o FILE`); it
 comes from os.wait4, which reports that child alone. Both runs use the same calibration windows
 (16 x 512 tokens by default) and a throw-away PRUNETOOL_CACHE_DIR, so the user's current run is not
 touched. The model is given as its cached folder so the cache redirection does not re-convert it.
+Writes bench/results/score_memory.json; `table` renders it for docs/benchmarks.md.
 """
 
 import argparse
@@ -16,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CALIB = ROOT.parent / "shared" / "data" / "c4_en_sample_1000.jsonl"
@@ -61,14 +64,28 @@ def main() -> None:
                        "--device", "cpu", "--json", "-o", str(out), *extra]
             rows[label] = run(command, env)
             scores[label] = json.loads(out.read_text())
-    diff = max_difference(scores["default"], scores["--low-memory"])
-    print(f"{args.model}: checkpoint {checkpoint / 1e6:.0f} MB ({folder}), {args.samples} x {args.seq_len} tokens "
-          f"of {Path(args.calib).name}")
-    print("| mode | peak RSS MB | share of checkpoint | wall s |")
-    print("|---|---|---|---|")
-    for label, (seconds, peak) in rows.items():
-        print(f"| {label} | {peak / 1e6:.0f} | {peak / checkpoint:.2f} | {seconds:.1f} |")
-    print(f"max |difference| over every score: {diff:.1e}")
+    results = {"model": args.model, "checkpoint_bytes": checkpoint, "calibration": Path(args.calib).name,
+               "samples": args.samples, "seq_len": args.seq_len,
+               "max_abs_difference": max_difference(scores["default"], scores["--low-memory"]),
+               "runs": [{"mode": label, "peak_rss_bytes": peak, "seconds": seconds}
+                        for label, (seconds, peak) in rows.items()]}
+    write_results("score_memory", results)
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    """The docs table: peak RSS of each mode against the checkpoint, and whether the scores agree."""
+    checkpoint = results["checkpoint_bytes"]
+    lines = [f"{results['model']}, {results['samples']} x {results['seq_len']} tokens of {results['calibration']}:", "",
+             f"| mode | peak RSS MB | share of the {checkpoint / 1e6:.0f} MB checkpoint | wall s |",
+             "|---|---|---|---|"]
+    for run in results["runs"]:
+        mode = "default (`prunetool score`)" if run["mode"] == "default" else f"`{run['mode']}`"
+        lines.append(f"| {mode} | {run['peak_rss_bytes'] / 1e6:.0f} | {run['peak_rss_bytes'] / checkpoint:.2f} | "
+                     f"{run['seconds']:.1f} |")
+    lines += ["", "Max |difference| over every score (per layer, per head, angular matrix): "
+              f"{results['max_abs_difference']:.1e}."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

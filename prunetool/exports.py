@@ -9,6 +9,7 @@ import time
 
 from prunetool import __version__
 from prunetool.plan import PrunePlan
+from prunetool.sources.demo import find_alias
 
 
 def kept_ranges(plan: PrunePlan) -> list[tuple[int, int]]:
@@ -67,6 +68,25 @@ def _perplexity_rows(perplexity: dict | None, base_layers: int, kept_layers: int
     ]
 
 
+def source_sentence(spec: str) -> str:
+    """Relative to what the weights are unchanged: the folder prune read, which for a GGUF is not the release.
+
+    A demo alias or .gguf file is dequantized into a float32 safetensors folder first; the kept tensors are
+    byte-identical to that folder, which already differs from the original fp16/bf16 weights.
+    """
+    unchanged = ("No weights were changed relative to the checkpoint folder prune read (`source_path` in "
+                 "`prune.json`): every kept tensor is byte-identical to its counterpart there.")
+    demo = find_alias(spec)
+    if demo is not None:
+        return (f"{unchanged} That folder is the demo model `{demo.name}`: {demo.dequantized_from}, not the "
+                f"original {demo.hub_id} weights, so it carries the {demo.quantization} quantisation error and "
+                "its numbers are not comparable with published fp16/bf16 figures.")
+    if spec.lower().endswith(".gguf"):
+        return (f"{unchanged} That folder is `{spec}` dequantized to float32 safetensors; if the GGUF is quantised, "
+                "its numbers are not comparable with those of the original fp16/bf16 weights.")
+    return unchanged
+
+
 def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, command: str) -> str:
     """README.md with Hub front matter, saying what was removed and what it cost."""
     criterion = plan.criterion if not plan.parameters else (
@@ -81,7 +101,7 @@ def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, com
         "",
         f"# {base_model}, {len(plan.removed)} of {plan.num_layers} decoder layers removed",
         "",
-        f"Made with prunetool {__version__} by removing whole decoder layers; no weights were changed.",
+        f"Made with prunetool {__version__} by removing whole decoder layers. {source_sentence(plan.base_model)}",
         "",
         f"- Removed layers (0-based indices of the original model): {', '.join(map(str, plan.removed))}",
         f"- Kept: {len(plan.kept)} layers; `prune.json` maps each original index to its new one.",

