@@ -1,4 +1,4 @@
-"""Render `prunetool eval --output` files as the Markdown tables in docs/evaluation.md.
+"""Render `prunetool eval --output-file` files as the Markdown tables in docs/evaluation.md.
 
     python bench/eval_markdown.py side.json            # task x metric table, one column per model
     python bench/eval_markdown.py hop.json --hop       # hop-probe accuracy against length

@@ -1,6 +1,6 @@
 """heads.json -> the markdown tables in docs/heads.md (pattern mix per layer, correlations, periods, sensitivity).
 
-    .venv/bin/prunetool heads smollm2-135m --calib ../shared/data/wikitext2-test.raw --kv-budget 128 --output out
+    .venv/bin/prunetool heads smollm2-135m --calib ../shared/data/wikitext2-test.raw --kv-budget 128 --output-dir out
     .venv/bin/python bench/heads_markdown.py out/heads.json
 """
 

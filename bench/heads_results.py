@@ -29,7 +29,7 @@ SHOWN = {"smollm2-135m": ((18, 8), (11, 1)), "gemma3-270m": ((2, 3), (17, 0))}  
 def run(model: str, folder: Path) -> dict:
     """One `prunetool heads` process: its heads.json, wall seconds and peak RSS."""
     command = [sys.executable, "-m", "prunetool", "heads", model, "--calib", str(TEXT), "--kv-budget", "128",
-               "--output", str(folder), "--force"]
+               "--output-dir", str(folder), "--force"]
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
