@@ -284,7 +284,7 @@ def prune(
     patch: Annotated[bool, typer.Option("--patch", help="Repair each removed run with a linear map fitted on the "
                      "calibration windows and folded into the kept layer before it (no training; docs: issue 13).")] = False,
     patch_objective: Annotated[Optional[str], typer.Option("--patch-objective", help="--patch fit: lstsq, cosine or "
-                               "down_proj (default: lstsq).")] = None,
+                               "down_proj (default: cosine, which measured best).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     batch_size: BatchOpt = 1,

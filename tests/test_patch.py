@@ -157,7 +157,7 @@ def test_patched_checkpoint_equals_an_independent_application(arch, tiny_checkpo
     source = tiny_checkpoint(arch)
     out = tmp_path / "patched"
     first, last = 2, 3
-    report, _ = run_patch(source, out, f"{first},{last}", calib_file)
+    report, _ = run_patch(source, out, f"{first},{last}", calib_file, "--patch-objective", "lstsq")
     (run,) = report["patch"]["runs"]
     down = f"model.layers.{first - 1}.mlp.down_proj.weight"
     assert run["layers"] == [first, last] and run["tensors"] == [down]
@@ -209,7 +209,7 @@ def test_patched_checkpoint_equals_an_independent_application(arch, tiny_checkpo
 def test_run_at_layer_0_folds_into_untied_embeddings(tiny_checkpoint, calib_file, tmp_path):
     source = tiny_checkpoint("llama")
     out = tmp_path / "patched"
-    report, _ = run_patch(source, out, "0,1,5", calib_file, "--no-verify")
+    report, _ = run_patch(source, out, "0,1,5", calib_file, "--no-verify", "--patch-objective", "lstsq")
     first, final = report["patch"]["runs"]
     assert first["layers"] == [0, 1] and first["action"] == "folded into model.embed_tokens.weight"
     assert first["residual_error"]["after"] <= first["residual_error"]["before"]
@@ -276,6 +276,7 @@ def test_patch_without_verification_still_writes(tiny_checkpoint, calib_file, tm
     report, _ = run_patch(tiny_checkpoint("phi3"), out, "1,2", calib_file, "--no-verify")
     assert report["perplexity"] is None and report["verification"] is None
     record = json.loads((out / "prune.json").read_text())
+    assert record["patch"]["objective"] == "cosine"  # the measured default
     assert record["patch"]["runs"][0]["tensors"] == ["model.layers.0.mlp.down_proj.weight"]
     assert record["patch"]["tokens"] == SEQ_LEN * SAMPLES
 
