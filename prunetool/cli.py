@@ -282,6 +282,10 @@ def prune(
                       "without cache, measure held-out perplexity.")] = True,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw the per-layer scores, the removed layers and "
                     "every candidate the search measured to this PNG (needs the [plot] extra).")] = None,
+    patch: Annotated[bool, typer.Option("--patch", help="Repair each removed run with a linear map fitted on the "
+                     "calibration windows and folded into the kept layer before it (no training; docs: issue 13).")] = False,
+    patch_objective: Annotated[Optional[str], typer.Option("--patch-objective", help="--patch fit: lstsq, cosine or "
+                               "down_proj (default: cosine, which measured best).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     batch_size: BatchOpt = 1,
@@ -303,7 +307,8 @@ def prune(
         samples=samples, protect_first=protect_first, protect_last=protect_last,
         output=one_of("--output-dir", output_dir, "--output", old_output), force=force, dry_run=dry_run,
         verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
-        shortlist=shortlist, refine_windows=refine_windows, blocks=blocks,
+        shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, patch=patch,
+        patch_objective=patch_objective,
     )
     result = run_prune(request, err)
     plan = result["plan"]

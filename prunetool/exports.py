@@ -43,12 +43,14 @@ def llamacpp_prune_layers(plan: PrunePlan) -> str:
     return ",".join(str(index) for index in plan.removed) + "\n"
 
 
-def prune_record(plan: PrunePlan, *, source_path: str, perplexity: dict | None, verification: dict | None) -> dict:
-    """prune.json: everything needed to know and redo what was removed."""
+def prune_record(plan: PrunePlan, *, source_path: str, perplexity: dict | None, verification: dict | None,
+                 patch: dict | None = None) -> dict:
+    """prune.json: everything needed to know and redo what was removed (and, with --patch, what changed)."""
     return {
         **plan.to_json(),
         "source_path": source_path,
         "perplexity": perplexity,
+        "patch": patch,
         "verification": verification,
         "prunetool_version": __version__,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -58,17 +60,20 @@ def prune_record(plan: PrunePlan, *, source_path: str, perplexity: dict | None, 
 def _perplexity_rows(perplexity: dict | None, base_layers: int, kept_layers: int) -> list[str]:
     if not perplexity:
         return ["Perplexity was not measured (`--no-verify`)."]
-    return [
+    rows = [
         f"Perplexity on held-out calibration text ({perplexity['description']}):",
         "",
         "| model | layers | perplexity |",
         "|---|---|---|",
         f"| base | {base_layers} | {perplexity['before']:.3f} |",
-        f"| pruned | {kept_layers} | {perplexity['after']:.3f} |",
     ]
+    if "patched" in perplexity:
+        return rows + [f"| pruned, no patch | {kept_layers} | {perplexity['plain_cut']:.3f} |",
+                       f"| pruned + patch (this checkpoint) | {kept_layers} | {perplexity['patched']:.3f} |"]
+    return rows + [f"| pruned | {kept_layers} | {perplexity['after']:.3f} |"]
 
 
-def source_sentence(spec: str) -> str:
+def source_sentence(spec: str, patched: bool = False) -> str:
     """Relative to what the weights are unchanged: the folder prune read, which for a GGUF is not the release.
 
     A demo alias or .gguf file is dequantized into a float32 safetensors folder first; the kept tensors are
@@ -76,6 +81,9 @@ def source_sentence(spec: str) -> str:
     """
     unchanged = ("No weights were changed relative to the checkpoint folder prune read (`source_path` in "
                  "`prune.json`): every kept tensor is byte-identical to its counterpart there.")
+    if patched:
+        unchanged = ("Relative to the checkpoint folder prune read (`source_path` in `prune.json`), only the kept "
+                     "weights `--patch` changed (listed below) differ; every other kept tensor is byte-identical.")
     demo = find_alias(spec)
     if demo is not None:
         return (f"{unchanged} That folder is the demo model `{demo.name}`: {demo.dequantized_from}, not the "
@@ -87,7 +95,27 @@ def source_sentence(spec: str) -> str:
     return unchanged
 
 
-def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, command: str) -> str:
+def _patch_rows(patch: dict | None) -> list[str]:
+    """What --patch changed, run by run: the card must say which kept weights differ from the base."""
+    if patch is None:
+        return []
+    changed = [name for run in patch["runs"] for name in run["tensors"]]
+    rows = [
+        f"Weights of kept layers were changed by `--patch` (objective `{patch['objective']}`, fitted on "
+        f"{patch['tokens']} calibration tokens, no training): {', '.join(f'`{n}`' for n in changed) or 'none'}.",
+        "",
+        "| removed run | what was done | residual error before | after |",
+        "|---|---|---|---|",
+    ]
+    for run in patch["runs"]:
+        error = run.get("residual_error") or {}
+        before, after = (f"{error[k]:.4f}" if k in error else "-" for k in ("before", "after"))
+        rows.append(f"| {run['layers'][0]}-{run['layers'][1]} | {run['action']} | {before} | {after} |")
+    return rows + [""]
+
+
+def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, command: str,
+               patch: dict | None = None) -> str:
     """README.md with Hub front matter, saying what was removed and what it cost."""
     criterion = plan.criterion if not plan.parameters else (
         f"{plan.criterion} ({', '.join(f'{key}={value}' for key, value in plan.parameters.items())})")
@@ -101,8 +129,10 @@ def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, com
         "",
         f"# {base_model}, {len(plan.removed)} of {plan.num_layers} decoder layers removed",
         "",
-        f"Made with prunetool {__version__} by removing whole decoder layers. {source_sentence(plan.base_model)}",
+        f"Made with prunetool {__version__} by removing whole decoder layers. "
+        f"{source_sentence(plan.base_model, patched=patch is not None)}",
         "",
+        *_patch_rows(patch),
         f"- Removed layers (0-based indices of the original model): {', '.join(map(str, plan.removed))}",
         f"- Kept: {len(plan.kept)} layers; `prune.json` maps each original index to its new one.",
         f"- Chosen by: {criterion}",

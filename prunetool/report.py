@@ -81,7 +81,11 @@ def perplexity_table(perplexity: dict, base_layers: int, kept_layers: int) -> Ta
     for column in ("model", "layers", "perplexity"):
         table.add_column(column, justify="right" if column != "model" else "left")
     table.add_row("base", str(base_layers), f"{perplexity['before']:.3f}")
-    table.add_row("pruned", str(kept_layers), f"{perplexity['after']:.3f}")
+    if "patched" in perplexity:
+        table.add_row("pruned, no patch", str(kept_layers), f"{perplexity['plain_cut']:.3f}")
+        table.add_row("pruned + patch", str(kept_layers), f"{perplexity['patched']:.3f}")
+    else:
+        table.add_row("pruned", str(kept_layers), f"{perplexity['after']:.3f}")
     return table
 
 

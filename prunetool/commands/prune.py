@@ -9,6 +9,13 @@ Two sets of windows come from one calibration stream and never overlap: the sele
 the scores were computed on, and the first of which a perplexity search measures) and the held-out
 windows, which start at the first token after the last selection window (calibration.heldout_start).
 Both are recorded in prune.json.
+
+With --patch (issue 13), after the plain cut's perplexity is measured, one hooked pass of the unpruned
+model over the *selection* windows (never the held-out ones) fits a map per contiguous removed run
+(prunetool.repair), the new kept tensors are applied to the loaded model exactly as the written
+checkpoint will hold them (cast to the source dtype), the patched prune's held-out perplexity becomes
+the one the reloaded checkpoint must match, and the surgery writer swaps those tensors in while copying
+every other tensor byte for byte.
 """
 
 import json
@@ -19,6 +26,7 @@ from pathlib import Path
 from rich.console import Console
 
 from prunetool.calibration import HOLDOUT_WINDOWS, CalibrationSet, load_calibration
+from prunetool.architecture import decoder_of
 from prunetool.checkpoint_io import text_num_layers, text_section
 from prunetool.errors import CalibrationError, OptionError
 from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
@@ -33,7 +41,7 @@ from prunetool.scoring import Scores, score_model
 from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.demo import find_alias
-from prunetool.surgery import write_pruned_checkpoint
+from prunetool.surgery import patched_tensor_names, write_pruned_checkpoint
 from prunetool.verify import VerifySetting, verify_checkpoint
 
 
@@ -65,6 +73,8 @@ class PruneRequest:
     refine_windows: int = GUIDED_WINDOWS
     blocks: int = GUIDED_BLOCKS
     plot: Path | None = None
+    patch: bool = False
+    patch_objective: str | None = None  # None: prunetool.repair.fit.DEFAULT_OBJECTIVE
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,15 @@ def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | N
                        protect_first=request.protect_first, protect_last=request.protect_last,
                        shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks)
     return None
+
+
+def check_patch_options(request: PruneRequest) -> None:
+    from prunetool.repair.fit import OBJECTIVES
+
+    if request.patch_objective is not None and request.patch_objective not in OBJECTIVES:
+        raise OptionError(f"--patch-objective must be one of {', '.join(OBJECTIVES)}, got {request.patch_objective!r}")
+    if request.patch_objective is not None and not request.patch:
+        raise OptionError("--patch-objective needs --patch")
 
 
 def load_windows(start: StartingPoint, tokenizer, model, source, *, selection: bool, holdout: int) -> CalibrationSet:
@@ -179,7 +198,58 @@ def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> d
             "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
 
 
-def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: VerifySetting | None) -> dict[str, str]:
+def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, request: PruneRequest,
+                console: Console) -> tuple[dict, dict]:
+    """Fit and apply the patch in memory; returns ({source tensor name: new tensor}, prune.json's record).
+
+    The loaded model gets each new tensor rounded to the source checkpoint's dtype and then to its own,
+    which is what a reload of the written checkpoint in the same dtype holds, so the in-memory perplexity
+    is the reference the written checkpoint must match.
+    """
+    import torch
+
+    from prunetool.repair import capture_runs, fit_runs, plan_sites
+    from prunetool.repair.fit import DEFAULT_OBJECTIVE
+    from prunetool.repair.patch import CACHE_TOKENS, RIDGE
+
+    objective = request.patch_objective or DEFAULT_OBJECTIVE
+    clock = time.perf_counter()
+    sites = plan_sites(model, plan.removed)
+    with window_progress(console) as progress:
+        task = progress.add_task("patch: calibration pass", total=calibration.windows)
+        data = capture_runs(model, calibration.input_ids, sites, objective, batch_size=request.batch_size,
+                            on_batch=lambda n: progress.advance(task, n))
+    patches = fit_runs(model, data, objective)
+    relative = [name for patch in patches for name in patch.tensors]
+    on_disk = patched_tensor_names(source.path, relative) if relative else {}
+    decoder = decoder_of(model)
+    replacements, runs = {}, []
+    for patch in patches:
+        record = dict(patch.record)
+        if patch.tensors:
+            names = [on_disk[name][0] for name in patch.tensors]
+            record["tensors"] = names
+            record["action"] = record["action"].replace(next(iter(patch.tensors)).removesuffix(".weight"),
+                                                        names[0].removesuffix(".weight"), 1)
+        else:
+            console.print(f"warning: layers {record['layers'][0]}-{record['layers'][1]} {record['action']}",
+                          highlight=False, soft_wrap=True)
+        for name, value in patch.tensors.items():
+            disk_name, disk_dtype = on_disk[name]
+            parameter = decoder.get_parameter(name)
+            with torch.no_grad():
+                parameter.copy_(value.to(disk_dtype).to(parameter.dtype))
+            replacements[disk_name] = value
+        runs.append(record)
+    record = {"objective": objective, "windows": calibration.windows, "tokens": calibration.tokens,
+              "windows_used": "the selection windows (input_ids), never the held-out ones",
+              "ridge": f"{RIDGE:g} x mean(diag X^T X)", "cache_tokens_cap": CACHE_TOKENS,
+              "runs": runs, "seconds": round(time.perf_counter() - clock, 3)}
+    return replacements, record
+
+
+def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: VerifySetting | None,
+               patch: dict | None = None) -> dict[str, str]:
     """prune.json, the model card and the same cut for mergekit and llama.cpp."""
     verification = None
     if setting is not None:
@@ -189,12 +259,16 @@ def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: V
             "log-probabilities along one sequence within cache_logprob_atol)",
             "perplexity of the reloaded model equals the in-memory prune's within perplexity_rtol"],
             **setting.describe()}
-    record = prune_record(plan, source_path=str(source.path), perplexity=perplexity_info, verification=verification)
+    record = prune_record(plan, source_path=str(source.path), perplexity=perplexity_info, verification=verification,
+                          patch=patch)
     config = text_section(source.config)
     command = f"prunetool prune {plan.base_model} --remove-layers {','.join(map(str, plan.removed))}"
+    if patch is not None:
+        command += f" --patch --patch-objective {patch['objective']}"
     return {
         "prune.json": json.dumps(record, indent=1) + "\n",
-        "README.md": model_card(plan, base_model=base_model_name(source), perplexity=perplexity_info, command=command),
+        "README.md": model_card(plan, base_model=base_model_name(source), perplexity=perplexity_info, command=command,
+                                patch=patch),
         "mergekit.yaml": mergekit_yaml(plan, str(source.path), config.get("dtype") or config.get("torch_dtype")),
         "llama.cpp-prune-layers.txt": llamacpp_prune_layers(plan),
     }
@@ -216,17 +290,19 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         raise OptionError(f"the scores are for a {start.scores.num_layers}-layer model but {spec} has {num_layers} "
                           "layers; score this model again")
     manual = check_options(request, num_layers)
+    check_patch_options(request)
     verifying = request.verify and not request.dry_run
+    patching = request.patch and not request.dry_run
     needs = None if manual is not None else CRITERIA[request.criterion].needs
     selects_on_windows = needs in ("model", "both") or (needs == "scores" and start.scores is None)
     model = calibration = setting = None
-    if verifying or selects_on_windows:
+    if verifying or selects_on_windows or patching:
         clock = time.perf_counter()
         model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
                                       trust_remote_code=request.trust_remote_code)
         # a criterion's windows are cut even when only recorded scores rank: the held-out text must start
-        # after the text those scores saw, and its sha256 is checked against theirs
-        calibration = load_windows(start, tokenizer, model, source, selection=manual is None,
+        # after the text those scores saw, and its sha256 is checked against theirs; --patch fits on them too
+        calibration = load_windows(start, tokenizer, model, source, selection=manual is None or patching,
                                    holdout=HOLDOUT_WINDOWS if verifying else 0)
         console.print(f"loaded the model and {calibration.windows} selection + "
                       f"{0 if calibration.held_out is None else len(calibration.held_out)} held-out windows in "
@@ -242,6 +318,13 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     if request.dry_run:
         return result
     perplexity_info = measure_perplexity(model, calibration, plan) if verifying else None
+    replacements = patch = None
+    if patching:
+        replacements, patch = patch_model(model, plan, calibration, source, request, console)
+        if perplexity_info is not None:
+            with layers_removed(model, plan.removed):
+                patched = perplexity(model, calibration.held_out)
+            perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
     output = Path(request.output or default_output(spec, plan))
     verification: dict = {}
 
@@ -252,11 +335,12 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     with window_progress(console) as progress:
         task = progress.add_task("writing shards", total=None)
         write_pruned_checkpoint(source.path, plan, output, force=request.force,
-                                extra_files=side_files(plan, source, perplexity_info, setting),
+                                extra_files=side_files(plan, source, perplexity_info, setting, patch),
                                 on_shard=lambda name: progress.advance(task),
-                                before_publish=check if verifying else None)
+                                before_publish=check if verifying else None, replacements=replacements)
     held_out = perplexity_info["held_out"] if perplexity_info else None
     pruned = {"path": str(output.resolve()), "removed": list(plan.removed), "criterion": plan.criterion,
               "held_out": held_out}
     record_current_run(spec, source.path, scores.to_json() if scores is not None else None, start.calibration, pruned)
-    return result | {"output": str(output), "perplexity": perplexity_info, "verification": verification or None}
+    return result | {"output": str(output), "perplexity": perplexity_info, "verification": verification or None,
+                     "patch": patch}

@@ -15,9 +15,28 @@ from prunetool.surgery.config import load_config, prune_config
 from prunetool.surgery.materialise import safetensors_folder
 from prunetool.checkpoint_io import staged_folder
 from prunetool.surgery.output import check_extra_names, check_output, copy_side_files, write_extra_files
-from prunetool.surgery.tensors import SAFETENSORS_INDEX, find_decoder_prefix, read_weights, renamer, write_weights
+from prunetool.surgery.safetensors_io import torch_dtype_of
+from prunetool.surgery.tensors import (SAFETENSORS_INDEX, find_decoder_prefix, has_safetensors, read_weights, renamer,
+                                       source_tensors, write_weights)
 
-__all__ = ["prune_config", "write_pruned_checkpoint"]
+__all__ = ["patched_tensor_names", "prune_config", "write_pruned_checkpoint"]
+
+
+def patched_tensor_names(source_dir: Path, relative: list[str]) -> dict[str, tuple]:
+    """Decoder-relative tensor names -> (name in the source checkpoint, its torch dtype), from headers only.
+
+    What `write_pruned_checkpoint(replacements=...)` is keyed by, and the dtype a reload will see, so the
+    in-memory reference can round the new weights exactly as the written checkpoint does. Needs
+    safetensors weights (a .bin source is converted only while writing).
+    """
+    source_dir = Path(source_dir).expanduser()
+    if not has_safetensors(source_dir):
+        raise OptionError(f"--patch needs safetensors weights, and {source_dir} has only .bin files; "
+                          "convert it first (load and save_pretrained)")
+    _, num_layers, _ = load_config(source_dir)
+    weights = read_weights(source_dir)
+    prefix = find_decoder_prefix(weights.names, num_layers)
+    return {name: (entry.name, torch_dtype_of(entry)) for name, entry in source_tensors(weights, prefix, relative).items()}
 
 
 def write_pruned_checkpoint(
@@ -29,12 +48,15 @@ def write_pruned_checkpoint(
     extra_files: dict[str, str] | None = None,
     on_shard=None,
     before_publish=None,
+    replacements: dict | None = None,
 ) -> Path:
     """Write `source_dir` minus the plan's removed layers to `output`; return `output`.
 
     Kept tensors keep their dtype and bytes, shard file names and shard metadata; the index and
     config.json describe the new layer count. `on_shard(file_name)` is called once per source shard
     (progress). `extra_files` ({relative name: text}) are written into the folder as well.
+    `replacements` ({tensor name in the source: torch tensor}) give new data for a few kept tensors
+    (`prune --patch`): cast to the source tensor's dtype, same shape; everything else stays byte-exact.
     `before_publish(folder)` gets the complete temporary folder before it is renamed into place: if it
     raises (a failed reload check), nothing is published. The source folder is only read. With
     `force` an existing output is replaced once the new one is complete (and checked).
@@ -53,7 +75,7 @@ def write_pruned_checkpoint(
         weights = read_weights(weights_dir)
         prefix = find_decoder_prefix(weights.names, num_layers)
         with staged_folder(output, force) as staging:
-            write_weights(weights, renamer(prefix, plan.index_map), staging, on_shard)
+            write_weights(weights, renamer(prefix, plan.index_map), staging, on_shard, replacements)
             copy_side_files(source_dir, staging)
             (staging / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
             write_extra_files(staging, extra_files)

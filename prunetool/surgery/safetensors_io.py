@@ -9,6 +9,10 @@ header with the new names and offsets. Why not `safe_open(...).get_tensor` + `sa
 * bytes are identical by construction: no dtype round trip through torch, any dtype string passes;
 * the kernel can copy the ranges (`os.copy_file_range`) without them entering the process.
 The result is checked by `safe_open` itself after writing (see `verify_shard`).
+
+`prune --patch` changes a few kept tensors: those are passed as new torch tensors, cast to the source
+tensor's dtype and written in its place (same shape, same byte count, so every offset is unchanged);
+every other tensor is still copied byte for byte.
 """
 
 import json
@@ -23,6 +27,33 @@ from prunetool.errors import ModelSourceError
 
 COPY_CHUNK = 64 << 20  # bytes per copy call; bounds user-space memory when the kernel copy is unavailable
 HEADER_ALIGN = 8  # safetensors pads the header with spaces so tensor data starts 8-byte aligned
+# safetensors dtype strings -> torch dtype names (those a replaced tensor may have); torch is imported
+# only when a tensor is replaced, so a plain prune never loads it here
+TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def torch_dtype_of(entry: TensorEntry):
+    """The torch dtype of a header entry; only floating tensors can be replaced."""
+    import torch
+
+    dtype = getattr(torch, TORCH_DTYPES.get(entry.info["dtype"], ""), None)
+    if dtype is None:
+        raise ModelSourceError(f"tensor {entry.name} has dtype {entry.info['dtype']}, which prunetool cannot rewrite")
+    return dtype
+
+
+def tensor_bytes(entry: TensorEntry, tensor) -> bytes:
+    """`tensor` cast to `entry`'s dtype, as the raw little-endian bytes that replace the entry's data."""
+    shape = [int(dim) for dim in entry.info["shape"]]
+    if list(tensor.shape) != shape:
+        raise ModelSourceError(f"replacement for {entry.name} has shape {list(tensor.shape)}, the source {shape}")
+    import torch
+
+    data = tensor.detach().to("cpu", torch_dtype_of(entry)).contiguous().reshape(-1).view(torch.uint8)
+    raw = data.numpy().tobytes()
+    if len(raw) != entry.nbytes:
+        raise ModelSourceError(f"replacement for {entry.name} is {len(raw)} bytes, the source {entry.nbytes}")
+    return raw
 
 
 def encode_header(entries: list[tuple[str, dict]], metadata: dict | None) -> bytes:
@@ -38,11 +69,15 @@ def encode_header(entries: list[tuple[str, dict]], metadata: dict | None) -> byt
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_shard(source: ShardHeader, renamed: list[tuple[TensorEntry, str]], target: Path) -> int:
+def write_shard(source: ShardHeader, renamed: list[tuple[TensorEntry, str]], target: Path,
+                replacements: dict | None = None) -> int:
     """Write the (entry, new name) pairs of `source` into `target`; return the tensor bytes written.
 
-    Entries are written in source order, so the reads walk the source file forwards.
+    Entries are written in source order, so the reads walk the source file forwards. An entry whose
+    source name is in `replacements` ({source name: torch tensor}) gets that tensor's bytes instead,
+    cast to the entry's dtype; its shape must be the entry's.
     """
+    replacements = replacements or {}
     pairs = sorted(renamed, key=lambda pair: pair[0].start)
     prefix = encode_header([(new, entry.info) for entry, new in pairs], source.metadata)
     written = 0
@@ -50,7 +85,10 @@ def write_shard(source: ShardHeader, renamed: list[tuple[TensorEntry, str]], tar
         dst.write(prefix)
         dst.flush()
         for entry, _ in pairs:
-            copy_range(src, dst, source.data_start + entry.start, entry.nbytes)
+            if entry.name in replacements:
+                dst.write(tensor_bytes(entry, replacements[entry.name]))
+            else:
+                copy_range(src, dst, source.data_start + entry.start, entry.nbytes)
             written += entry.nbytes
     return written
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prunetool.errors import ModelSourceError, UnsupportedModelError
 from prunetool.sources.checks import SAFETENSORS_INDEX
-from prunetool.checkpoint_io import ShardHeader, read_header
+from prunetool.checkpoint_io import ShardHeader, TensorEntry, read_header
 from prunetool.surgery.safetensors_io import verify_shard, write_shard
 
 SINGLE_FILE = "model.safetensors"
@@ -115,8 +115,43 @@ def renamer(prefix: str, index_map: dict[int, int]) -> Callable[[str], str | Non
     return rename
 
 
-def write_weights(weights: WeightSet, rename, target: Path, on_shard=None) -> None:
-    """Write every shard (same file name) with renamed tensors, then the index; skip emptied shards."""
+def check_replacements(weights: WeightSet, rename, replacements: dict | None) -> None:
+    """Every replaced tensor must exist in the source, be kept by the cut, and match its source shape."""
+    entries = {entry.name: entry for shard in weights.shards for entry in shard.entries}
+    for name, tensor in (replacements or {}).items():
+        entry = entries.get(name)
+        if entry is None:
+            raise UnsupportedModelError(f"cannot replace {name}: the source checkpoint has no such tensor")
+        if rename(name) is None:
+            raise UnsupportedModelError(f"cannot replace {name}: it belongs to a removed layer")
+        if list(tensor.shape) != [int(dim) for dim in entry.info["shape"]]:
+            raise UnsupportedModelError(f"replacement for {name} has shape {list(tensor.shape)}, the source "
+                                        f"{entry.info['shape']}")
+
+
+def source_tensors(weights: WeightSet, prefix: str, relative: list[str]) -> dict[str, TensorEntry]:
+    """Decoder-relative names ("layers.3.mlp.down_proj.weight", "embed_tokens.weight") -> source entries.
+
+    The decoder's on-disk prefix is the layer prefix without its "layers." ("model.", legacy multimodal
+    "language_model.model."), so the names follow whatever layout the source uses.
+    """
+    base = prefix[: -len("layers.")]
+    entries = {entry.name: entry for shard in weights.shards for entry in shard.entries}
+    found = {}
+    for name in relative:
+        entry = entries.get(base + name)
+        if entry is None:
+            raise UnsupportedModelError(f"the source checkpoint has no tensor {base + name} to patch")
+        found[name] = entry
+    return found
+
+
+def write_weights(weights: WeightSet, rename, target: Path, on_shard=None, replacements: dict | None = None) -> None:
+    """Write every shard (same file name) with renamed tensors, then the index; skip emptied shards.
+
+    `replacements` ({source name: tensor}) swap the data of a few kept tensors (see write_shard).
+    """
+    check_replacements(weights, rename, replacements)
     weight_map: dict[str, str] = {}
     total_size = total_params = 0
     for shard in weights.shards:
@@ -124,7 +159,7 @@ def write_weights(weights: WeightSet, rename, target: Path, on_shard=None) -> No
         pairs = [(entry, new) for entry, new in pairs if new is not None]
         if pairs or weights.index is None:  # a single-file checkpoint always keeps its file
             out = target / shard.path.name
-            total_size += write_shard(shard, pairs, out)
+            total_size += write_shard(shard, pairs, out, replacements)
             verify_shard(out, [new for _, new in pairs])
             total_params += sum(entry.numel for entry, _ in pairs)
             weight_map.update({new: shard.path.name for _, new in pairs})
