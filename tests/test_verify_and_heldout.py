@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from prunetool.calibration import HOLDOUT_WINDOWS, SMALL_RUNG_UNIT, heldout_start, load_calibration
 from prunetool.cli import app
+from test_prune_cli import assert_refused  # the one-line refusal check prune tests share
 from prunetool.errors import VerificationError
 from prunetool.verify import CACHE_LOGPROB_ATOL, PERPLEXITY_RTOL, PROMPT_TOKENS, VerifySetting, cached_logprob_gap, \
     greedy, verify_checkpoint
@@ -56,16 +57,6 @@ def invoke(*args):
 def ok(result):
     assert result.exit_code == 0, (result.stdout, result.stderr)
     return result
-
-
-def assert_refused(result, *words, nothing_at=None):
-    assert result.exit_code != 0, result.output
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    for word in words:
-        assert word.lower() in lines[0].lower(), lines[0]
-    if nothing_at is not None:
-        assert not nothing_at.exists()
 
 
 def prune_json(folder) -> dict:
