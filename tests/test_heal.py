@@ -159,3 +159,103 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(train, tiny_checkpoint,
         with pytest.raises(KeyboardInterrupt):
             run_heal(request_for(pruned, tmp_path / "third", train=train), console)
         run_heal(request_for(pruned, tmp_path / "third", train=train, resume=True, lr=5e-4), console)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "phi3"])
+def test_lora_checkpoint_equals_a_hand_merge_of_the_same_adapters(arch, tiny_checkpoint, calib_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    pruned = prune_tiny(tiny_checkpoint, arch, calib_file, tmp_path / "pruned")
+    out = tmp_path / "healed"
+    result = run_heal(HealRequest(model=str(pruned), train="lora", tokens=4 * 32, seq_len=32, lr=1e-2, output=out),
+                      Console(stderr=True, quiet=True))
+    adapters = result["adapters"]
+    assert adapters and all(float(a["B"].abs().max()) > 0 for a in adapters.values())
+    reference = AutoModelForCausalLM.from_pretrained(pruned, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, adapter in adapters.items():  # W + B @ A * scale, by hand
+            module = reference.get_submodule(name)
+            module.weight += adapter["B"] @ adapter["A"] * adapter["scale"]
+    healed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert len(healed.model.layers) == 4 and healed.config.num_hidden_layers == 4
+    ids = torch.randint(100, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, healed(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(pruned, dtype=torch.float32).eval()(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-4)  # the adapters did change the model
+    before, after = tensors(pruned), tensors(out)
+    changed = set(result["heal"]["tensors"])
+    assert changed == {f"{name}.weight" for name in adapters} and before.keys() == after.keys()
+    for name in before:
+        if name not in changed:  # untouched tensors: byte-identical
+            assert before[name].dtype == after[name].dtype and before[name].view(torch.uint8).equal(
+                after[name].view(torch.uint8)), name
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+def test_no_pruned_model_in_the_current_run_is_refused(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = tiny_checkpoint("llama")
+    record_current_run("llama", source, None, {}, pruned=None)
+    assert_refused(runner.invoke(app, ["heal", "--tokens", "64"]), "no pruned model")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def pruned_llama(tiny_checkpoint, calib_file, tmp_path):
+    return prune_tiny(tiny_checkpoint, "llama", calib_file, tmp_path / "pruned")
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--tokens", "0"], ["--tokens"]),
+    (["--tokens", "-5"], ["--tokens"]),
+    (["--tokens", "1000000"], ["calibration text too short for --tokens 1000000", "tokens after the held-out"]),
+    (["--train", "half"], ["--train"]),
+    (["--ce-weight", "2"], ["--ce-weight"]),
+])
+def test_bad_options_are_refused_and_nothing_is_published(args, words, pruned_llama, tmp_path):
+    out = tmp_path / "healed"
+    result = runner.invoke(app, ["heal", str(pruned_llama), "--seq-len", "32", *args, "--output-dir", str(out)])
+    assert_refused(result, *words, nothing_at=out)
+    assert not (tmp_path / "healed.checkpoint").exists()
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(pruned_llama, tiny_checkpoint, tmp_path):
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_checkpoint("llama"), teacher)
+    data = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # same size, two ids swapped
+    (teacher / "tokenizer.json").write_text(json.dumps(data))
+    out = tmp_path / "healed"
+    result = runner.invoke(app, ["heal", str(pruned_llama), "--teacher", str(teacher), "--tokens", "64",
+                                 "--seq-len", "32", "--output-dir", str(out)])
+    assert_refused(result, "tokenizer", nothing_at=out)
+
+
+def test_existing_output_needs_force(pruned_llama, tmp_path):
+    out = tmp_path / "healed"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    args = ["heal", str(pruned_llama), "--tokens", "64", "--seq-len", "32", "--output-dir", str(out)]
+    assert_refused(runner.invoke(app, args), "--force")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert runner.invoke(app, [*args, "--force"]).exit_code == 0
+    assert (out / "prune.json").exists() and not (out / "keep.txt").exists()
+
+
+def test_a_nan_loss_stops_training_and_publishes_nothing(pruned_llama, tmp_path, monkeypatch):
+    from prunetool.repair import train as train_module
+
+    monkeypatch.setattr(train_module, "distill_loss", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
+    out = tmp_path / "healed"
+    result = runner.invoke(app, ["heal", str(pruned_llama), "--tokens", "64", "--seq-len", "32", "--output-dir",
+                                 str(out)])
+    assert result.exit_code != 0 and not out.exists()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "loss became nan at step 1" in errors[0], result.stderr

@@ -136,7 +136,7 @@ def train(student, teacher, windows: torch.Tensor, config: TrainConfig, *, check
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise TrainingError(f"the loss became {value} at step {step + 1}; nothing was written (lower "
-                                    "--lr, or use --dtype float32); the last checkpoint is kept")
+                                    "--lr, or use --dtype float32); checkpoints written so far are kept")
             (loss / config.grad_accum).backward()
             total += value / config.grad_accum
         torch.nn.utils.clip_grad_norm_(parameters, config.clip)
