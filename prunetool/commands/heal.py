@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from prunetool.architecture import decoder_of
 from prunetool.calibration import load_calibration
 from prunetool.checkpoint_io import check_free_folder, remove_tree, write_json_atomic
-from prunetool.errors import CalibrationError, ModelSourceError, OptionError
+from prunetool.errors import CalibrationError, ModelSourceError, OptionError, PrunetoolError
 from prunetool.loading import load_model, pick_device, pick_dtype
 from prunetool.perplexity import perplexity
 from prunetool.progress import window_progress
@@ -97,7 +98,11 @@ def student_folder(request: HealRequest) -> tuple[Path, dict | None]:
     folder = Path(request.model).expanduser()
     if not (folder / "prune.json").is_file():
         raise OptionError(f"{request.model} is not a folder written by `prunetool prune` (no prune.json)")
-    return folder.resolve(), None
+    try:  # MODEL named the current run's pruned model: record the healed one there too
+        run, current = current_pruned()
+    except PrunetoolError:
+        return folder.resolve(), None
+    return folder.resolve(), run if current.resolve() == folder.resolve() else None
 
 
 def default_output(folder: Path) -> Path:
@@ -168,16 +173,12 @@ def adjacent_layers(record: dict) -> list[int]:
 
 def lora_targets(model) -> list[str]:
     """Full names of every nn.Linear inside the decoder layers (attention and MLP projections)."""
-    decoder = decoder_of(model)
-    layers = {id(layer) for layer in decoder.layers}
-    names = []
     owner = {id(module): name for name, module in model.named_modules()}
-    for layer in decoder.layers:
-        prefix = owner[id(layer)]
+    names = []
+    for layer in decoder_of(model).layers:
         for name, module in layer.named_modules():
             if isinstance(module, torch.nn.Linear) and name:
-                names.append(f"{prefix}.{name}")
-    assert layers
+                names.append(f"{owner[id(layer)]}.{name}")
     return names
 
 
@@ -192,7 +193,10 @@ def prepare_student(model, request: HealRequest, record: dict):
         torch.manual_seed(request.seed)  # the adapters' A init
         config = LoraConfig(r=request.lora_rank, lora_alpha=LORA_ALPHA_PER_RANK * request.lora_rank,
                             lora_dropout=0.0, target_modules=targets, bias="none")
-        return get_peft_model(model, config), {"lora_rank": request.lora_rank,
+        with warnings.catch_warnings():  # peft calls transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped = get_peft_model(model, config)
+        return wrapped, {"lora_rank": request.lora_rank,
                                                "lora_alpha": LORA_ALPHA_PER_RANK * request.lora_rank,
                                                "modules": len(targets)}
     if request.train == "adjacent":
