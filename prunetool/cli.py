@@ -337,6 +337,60 @@ def prune(
 
 @app.command()
 @handle_errors
+def heal(
+    model: Annotated[Optional[str], typer.Argument(help="A folder written by `prunetool prune`; default: the current "
+                                                        "run's pruned model.", show_default=False)] = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Training budget in tokens (rounded up to whole steps of "
+                      "batch-size x grad-accum windows).")] = 100_000,
+    train: Annotated[str, typer.Option("--train", help="What trains: lora (adapters on every attention and MLP "
+                     "projection, merged back), adjacent (the kept layers next to each cut) or all.")] = "lora",
+    teacher: Annotated[Optional[str], typer.Option("--teacher", help="The model to distil from (default: the base "
+                       "prune.json names); must have the student's tokenizer.")] = None,
+    calib: Annotated[Optional[str], typer.Option("--calib", help="Train on this text instead (same forms as score's "
+                     "--calib); default: prune's calibration text after its held-out windows.")] = None,
+    seq_len: SeqLenOpt = 256,
+    batch_size: BatchOpt = 1,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")] = 1,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate (default 1e-4 for lora, 2e-5 "
+                  "otherwise: LoRA's zero-initialised adapters need larger steps, full weights drift with them).")] = None,
+    lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank r (alpha = 2r).")] = 8,
+    temperature: Annotated[float, typer.Option("--temperature", help="Softmax temperature of the KL term (scaled "
+                           "by T^2).")] = 1.0,
+    ce_weight: Annotated[float, typer.Option("--ce-weight", help="a in (1-a) KL + a CE on the next token.")] = 0.0,
+    save_every: Annotated[Optional[int], typer.Option("--save-every", help="Write a resumable checkpoint every N "
+                          "optimizer steps (to OUTPUT.checkpoint).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint (same options).")] = False,
+    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", help="Folder to write (default ./NAME-healed).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload in --dtype on --device, decode with and "
+                      "without cache, check held-out perplexity.")] = True,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+    trust_remote_code: TrustOpt = False,
+):
+    """Heal a pruned model by distilling its base's next-token distributions into it (forward KL)."""
+    from prunetool.commands.heal import HealRequest, run_heal
+
+    request = HealRequest(model=model, teacher=teacher, calib=calib, tokens=tokens, seq_len=seq_len, train=train,
+                          lora_rank=lora_rank, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
+                          temperature=temperature, ce_weight=ce_weight, save_every=save_every, resume=resume,
+                          output=output_dir, force=force, verify=verify, dtype=dtype, device=device,
+                          trust_remote_code=trust_remote_code)
+    result = run_heal(request, err)
+    heal = result["heal"]
+    if json_out:
+        typer.echo(json.dumps({"output": result["output"], "heal": heal, "verification": result["verification"]}))
+        return
+    ppl = heal["perplexity"]
+    out.print(f"wrote {result['output']}: {heal['train']} on {heal['tokens']} tokens in {heal['steps']} steps "
+              f"({heal['tokens_per_second']:.0f} tokens/s); held-out perplexity {ppl['before']:.3f} -> {ppl['after']:.3f}"
+              f"; loss {heal['loss_summary']['first']:.4f} -> {heal['loss_summary']['last']:.4f}"
+              + ("; verified" if result["verification"] else "; not verified"), highlight=False, soft_wrap=True)
+
+
+@app.command()
+@handle_errors
 def heads(
     model: HeadsModelArg = None,
     calib: CalibOpt = None,

@@ -27,3 +27,7 @@ class VerificationError(PrunetoolError):
 
 class MissingExtraError(PrunetoolError):
     """A feature needs an optional dependency that is not installed; the message names the pip extra."""
+
+
+class TrainingError(PrunetoolError):
+    """Training (heal) cannot go on: a non-finite loss, or a checkpoint that does not belong to this run."""

@@ -7,6 +7,7 @@ byte for byte with renumbered layer names (`tensors`, `safetensors_io`), the con
 """
 
 import json
+import shutil
 from pathlib import Path
 
 from prunetool.errors import OptionError
@@ -19,7 +20,7 @@ from prunetool.surgery.safetensors_io import torch_dtype_of
 from prunetool.surgery.tensors import (SAFETENSORS_INDEX, find_decoder_prefix, has_safetensors, read_weights, renamer,
                                        source_tensors, write_weights)
 
-__all__ = ["patched_tensor_names", "prune_config", "write_pruned_checkpoint"]
+__all__ = ["patched_tensor_names", "prune_config", "write_pruned_checkpoint", "write_replaced_checkpoint"]
 
 
 def patched_tensor_names(source_dir: Path, relative: list[str]) -> dict[str, tuple]:
@@ -81,4 +82,28 @@ def write_pruned_checkpoint(
             write_extra_files(staging, extra_files)
             if before_publish is not None:
                 before_publish(staging)
+    return output
+
+
+def write_replaced_checkpoint(source_dir: Path, output: Path, replacements: dict, *, force: bool = False,
+                              extra_files: dict[str, str] | None = None, on_shard=None, before_publish=None) -> Path:
+    """Copy `source_dir` to `output` with the given tensors replaced (`heal`): no layer removed, config unchanged.
+
+    `replacements` are keyed by the tensor names in the source and cast to each source tensor's dtype;
+    every other tensor keeps its bytes. `extra_files` replace side files of the same name (prune.json,
+    README.md). Published atomically after `before_publish(folder)` passes, like write_pruned_checkpoint.
+    """
+    source_dir, output = Path(source_dir).expanduser(), Path(output).expanduser().absolute()
+    check_output(source_dir, output, force)
+    check_extra_names(extra_files, {"config.json", SAFETENSORS_INDEX})
+    if not has_safetensors(source_dir):
+        raise OptionError(f"{source_dir} has no safetensors weights to rewrite")
+    weights = read_weights(source_dir)
+    with staged_folder(output, force) as staging:
+        write_weights(weights, lambda name: name, staging, on_shard, replacements)
+        copy_side_files(source_dir, staging)
+        shutil.copyfile(source_dir / "config.json", staging / "config.json")  # unchanged: no layer goes
+        write_extra_files(staging, extra_files)
+        if before_publish is not None:
+            before_publish(staging)
     return output
