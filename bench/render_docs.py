@@ -104,7 +104,28 @@ def removed_heads(quality: dict, heads: dict) -> str:
             f"{min(early)}-{max(early)} ({min(before):.2f}-{max(before):.2f}).")
 
 
+def repair_table(results: dict) -> str:
+    """bench/repair.py's rows: held-out perplexity and the share of the plain cut's log-perplexity gap each repair
+    recovers, with what it cost."""
+    setting, versions = results["setting"], results.get("versions", {})
+    calibration, held = setting["calibration"], setting["eval"]
+    lines = [f"Measured {results['date'][:10]} on {setting.get('threads', '?')} CPU threads, {setting['dtype']}; "
+             f"torch {versions.get('torch', '?')}, transformers {versions.get('transformers', '?')}; "
+             f"`python {results['command']}`.", "",
+             f"{setting['model']} with layers {', '.join(map(str, setting['removed']))} removed. Fitted on "
+             f"{calibration.get('file', calibration['source'])}; perplexity on the first {held['windows']} windows x "
+             f"{held['seq_len']} tokens of {held.get('file', held['source'])}, which nothing was fitted on. Gap "
+             f"recovered: {setting['gap_recovered']}.", "",
+             "| row | perplexity | gap recovered | patch seconds |", "|---|---:|---:|---:|"]
+    for row in results["rows"]:
+        gap = f"{100 * row['gap_recovered']:.1f}%" if "gap_recovered" in row else ""
+        cost = f"{row['patch_seconds']:.0f}" if "patch_seconds" in row else ""
+        lines.append(f"| {row['row']} | {row['perplexity']:.2f} | {gap} | {cost} |")
+    return "\n".join(lines)
+
+
 REGIONS: dict[str, Region] = {
+    "repair": Region("bench/repair.py", ("repair.json",), repair_table),
     "score-overhead": Region("bench/score_overhead.py", ("score_overhead.json",), stamped("score_overhead")),
     "prune-write": Region("bench/prune_write.py", ("prune_write.json",), stamped("prune_write")),
     "quality": Region("bench/quality.py", ("quality.json",), lambda r: importlib.import_module("quality").report_markdown(r)),
