@@ -281,8 +281,9 @@ def prune(
                       "without cache, measure held-out perplexity.")] = True,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw the per-layer scores, the removed layers and "
                     "every candidate the search measured to this PNG (needs the [plot] extra).")] = None,
-    patch: Annotated[bool, typer.Option("--patch", help="Repair each removed run with a linear map fitted on the "
-                     "calibration windows and folded into the kept layer before it (no training; docs: issue 13).")] = False,
+    patch: Annotated[bool, typer.Option("--patch", help="Repair each removed run by refitting the down_proj of the "
+                     "kept layer before it on calibration activations (closed form, no training; the checkpoint keeps "
+                     "the standard architecture; docs: issue 13).")] = False,
     patch_objective: Annotated[Optional[str], typer.Option("--patch-objective", help="--patch fit: lstsq, cosine or "
                                "down_proj (default: down_proj, which measured best).")] = None,
     patch_windows: Annotated[Optional[int], typer.Option("--patch-windows", help="--patch fits on the first N "

@@ -265,7 +265,8 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
               "seq_len": calibration.seq_len, "stride": calibration.stride,
               "windows_used": "the first windows of the calibration stream (the selection windows and, "
                               "when more, the ones after them), never the held-out ones",
-              "ridge": f"{RIDGE:g} x mean(diag X^T X)", "cache_tokens_cap": CACHE_TOKENS,
+              "ridge": f"lambda = ridge x mean(diag X^T X): {RIDGE:g} for the map T; whole down_proj: "
+                       "chosen per run on every 8th patch window (runs[].ridge)", "cache_tokens_cap": CACHE_TOKENS,
               "runs": runs, "seconds": round(time.perf_counter() - clock, 3)}
     return replacements, record
 
