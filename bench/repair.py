@@ -11,7 +11,8 @@ checkpoint's dtype), then judged on WikiText-2 test perplexity over its first 16
 gap recovered = (log ppl_cut - log ppl_patched) / (log ppl_cut - log ppl_base).
 
 Run:   nice .venv/bin/python bench/repair.py [--rows lstsq:32,cosine:32,...]   (objective:windows)
-Writes bench/results/repair.json.
+Writes bench/results/repair.json (bench/results/repair_tokens.json: the same for --rows
+down_proj:512,down_proj:1024, renamed by hand).
 """
 
 from __future__ import annotations

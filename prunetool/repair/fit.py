@@ -30,7 +30,8 @@ OBJECTIVES = ("lstsq", "cosine", "down_proj")
 # 13.8% of the log-perplexity gap; down_proj 77.38 at ridge 1e-8), but every objective gains from tokens
 # and the whole down_proj gains most once its ridge is chosen on held-back windows: at 64k tokens lstsq T
 # 70.68 (20.6%), cosine T 70.25 (21.3%, 32k cached), down_proj 65.45 (29.5%). So the default is down_proj,
-# fitted on DEFAULT_PATCH_TOKENS of calibration (prune --patch-windows).
+# fitted on DEFAULT_PATCH_TOKENS of calibration (prune --patch-windows): more saturates (128k tokens 64.81,
+# 30.6%; 256k 64.86, 30.5%; bench/results/repair_tokens.json) at 2-4x the calibration pass.
 DEFAULT_OBJECTIVE = "down_proj"
 DEFAULT_PATCH_TOKENS = 65536
 
