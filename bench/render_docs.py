@@ -126,6 +126,7 @@ def repair_table(results: dict) -> str:
 
 REGIONS: dict[str, Region] = {
     "repair": Region("bench/repair.py", ("repair.json",), repair_table),
+    "repair-tokens": Region("bench/repair.py", ("repair_tokens.json",), repair_table),
     "score-overhead": Region("bench/score_overhead.py", ("score_overhead.json",), stamped("score_overhead")),
     "prune-write": Region("bench/prune_write.py", ("prune_write.json",), stamped("prune_write")),
     "quality": Region("bench/quality.py", ("quality.json",), lambda r: importlib.import_module("quality").report_markdown(r)),

@@ -1,15 +1,18 @@
 """How much of a cut's damage does `prune --patch` repair, per objective? (issue 13, part 1)
 
-SmolLM2-135M with layers 13-18 removed (the issue's floor setting), float32 on CPU. The patch is fitted
-on C4 calibration (32 windows x 256 tokens of c4_en_sample_1000.jsonl) through the same code path as
+SmolLM2-135M with layers 13-18 removed (the issue's floor setting), float32 on CPU. Each row's patch is
+fitted on the first N windows x 256 tokens of C4 calibration (c4_en_sample_1000.jsonl: 497k tokens,
+1941 such windows; 32 windows = 8k tokens was the first measurement, 256 = 64k is --patch's default
+DEFAULT_PATCH_TOKENS) through the same code path as
 `prunetool prune --patch` (commands.prune.patch_model: one hooked pass, fit, new tensors rounded to the
 checkpoint's dtype), then judged on WikiText-2 test perplexity over its first 16 non-overlapping
 512-token windows (as bench/quality.py cuts them). Each row restores the base weights first.
 
 gap recovered = (log ppl_cut - log ppl_patched) / (log ppl_cut - log ppl_base).
 
-Run:   nice .venv/bin/python bench/repair.py [--objectives lstsq,cosine,down_proj] [--samples 32]
-Writes bench/results/repair.json.
+Run:   nice .venv/bin/python bench/repair.py [--rows lstsq:32,cosine:32,...]   (objective:windows)
+Writes bench/results/repair.json (bench/results/repair_tokens.json: the same for --rows
+down_proj:512,down_proj:1024, renamed by hand).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ EVAL_SEQ_LEN, EVAL_WINDOWS = 512, 16
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--objectives", default="lstsq,cosine,down_proj")
-    parser.add_argument("--samples", type=int, default=32, help="calibration windows")
+    parser.add_argument("--rows", default="lstsq:32,cosine:32,down_proj:32,lstsq:256,cosine:256,down_proj:256",
+                        help="objective:calibration windows, comma-separated")
     parser.add_argument("--seq-len", type=int, default=256)
     args = parser.parse_args()
 
@@ -55,8 +58,9 @@ def main() -> None:
     started = time.perf_counter()
     source = resolve_model(MODEL)
     model, tokenizer = load_model(source, dtype="float32", device="cpu")
+    wanted = [(row.split(":")[0], int(row.split(":")[1])) for row in args.rows.split(",")]
     calib = load_calibration(str(DATA / "c4_en_sample_1000.jsonl"), tokenizer, seq_len=args.seq_len,
-                             samples=args.samples)
+                             samples=max(n for _, n in wanted))
     evals = load_calibration(str(DATA / "wikitext2-test.raw"), tokenizer, seq_len=EVAL_SEQ_LEN, samples=EVAL_WINDOWS)
     plan = PrunePlan(MODEL, model.config.num_hidden_layers, REMOVED, "manual")
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -74,16 +78,18 @@ def main() -> None:
     rows.append({"row": "plain cut", "perplexity": cut, "seconds": round(seconds, 1)})
     console.print(f"base {base:.2f}, plain cut {cut:.2f}", highlight=False)
     gap = math.log(cut) - math.log(base)
-    for objective in args.objectives.split(","):
+    for objective, windows in wanted:
         request = PruneRequest(model=MODEL, layers=",".join(map(str, REMOVED)), patch=True,
-                               patch_objective=objective)
-        _, record = patch_model(model, plan, calib, source, request, console)
+                               patch_objective=objective, patch_windows=windows)
+        _, record = patch_model(model, plan, calib.first(windows), source, request, console)
         patched, seconds = measure()
         recovered = (math.log(cut) - math.log(patched)) / gap
-        rows.append({"row": f"patch {objective}", "perplexity": patched, "gap_recovered": round(recovered, 4),
+        rows.append({"row": f"patch {objective}, {windows} windows", "objective": objective,
+                     "windows": windows, "tokens": windows * args.seq_len, "perplexity": patched,
+                     "gap_recovered": round(recovered, 4),
                      "patch_seconds": record["seconds"], "eval_seconds": round(seconds, 1),
                      "runs": record["runs"]})
-        console.print(f"patch {objective}: {patched:.2f} ({100 * recovered:.1f}% of the log gap) in "
+        console.print(f"patch {objective} {windows} windows: {patched:.2f} ({100 * recovered:.1f}% of the log gap) in "
                       f"{record['seconds']:.1f}s", highlight=False)
         with torch.no_grad():
             for name, parameter in model.named_parameters():
@@ -95,7 +101,8 @@ def main() -> None:
                      "python": platform.python_version()},
         "setting": {"model": MODEL, "removed": list(REMOVED), "dtype": "float32", "device": "cpu",
                     "threads": torch.get_num_threads(),
-                    "calibration": calib.describe() | {"file": "c4_en_sample_1000.jsonl"},
+                    "calibration": calib.describe() | {"file": "c4_en_sample_1000.jsonl",
+                                                       "note": "each row uses its first `windows` windows"},
                     "eval": evals.describe() | {"file": "wikitext2-test.raw"},
                     "gap_recovered": "(log ppl_cut - log ppl_patched) / (log ppl_cut - log ppl_base)"},
         "rows": rows,

@@ -282,10 +282,14 @@ def prune(
                       "without cache, measure held-out perplexity.")] = True,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw the per-layer scores, the removed layers and "
                     "every candidate the search measured to this PNG (needs the [plot] extra).")] = None,
-    patch: Annotated[bool, typer.Option("--patch", help="Repair each removed run with a linear map fitted on the "
-                     "calibration windows and folded into the kept layer before it (no training; docs: issue 13).")] = False,
+    patch: Annotated[bool, typer.Option("--patch", help="Repair each removed run by refitting the down_proj of the "
+                     "kept layer before it on calibration activations (closed form, no training; the checkpoint keeps "
+                     "the standard architecture; docs: issue 13).")] = False,
     patch_objective: Annotated[Optional[str], typer.Option("--patch-objective", help="--patch fit: lstsq, cosine or "
-                               "down_proj (default: cosine, which measured best).")] = None,
+                               "down_proj (default: down_proj, which measured best).")] = None,
+    patch_windows: Annotated[Optional[int], typer.Option("--patch-windows", help="--patch fits on the first N "
+                             "calibration windows (the selection windows, then the ones after them; held-out "
+                             "windows start after both). Default: 65536 tokens' worth (128 of 512).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     batch_size: BatchOpt = 1,
@@ -308,7 +312,7 @@ def prune(
         output=one_of("--output-dir", output_dir, "--output", old_output), force=force, dry_run=dry_run,
         verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
         shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, patch=patch,
-        patch_objective=patch_objective,
+        patch_objective=patch_objective, patch_windows=patch_windows,
     )
     result = run_prune(request, err)
     plan = result["plan"]

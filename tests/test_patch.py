@@ -19,8 +19,9 @@ from prunetool.cli import app
 from prunetool.errors import UnsupportedModelError
 from prunetool.in_memory import prune_in_memory
 from prunetool.plan import PrunePlan
-from prunetool.repair.patch import (PatchStats, fit_through_norm, fold_down_proj, fold_embedding, identity_error,
-                                    norm_relative_error, refine_cosine, relative_error, solve_patch)
+from prunetool.repair.patch import (RIDGE, RIDGES, VALIDATE_EVERY, PatchStats, fit_through_norm, fold_down_proj,
+                                    fold_embedding, identity_error, norm_relative_error, refine_cosine, relative_error,
+                                    select_ridge, solve_patch)
 from prunetool.repair.sites import contiguous_runs
 from prunetool.surgery import write_pruned_checkpoint
 from tiny_models import _CORPUS
@@ -40,8 +41,10 @@ def calib_file(tmp_path_factory):
 
 
 def prune_args(source, out, layers, calib, *extra):
+    """--patch-windows SAMPLES: the tiny text is far shorter than the default DEFAULT_PATCH_TOKENS."""
     return ["prune", str(source), "--remove-layers", layers, "--patch", "--calib", str(calib), "--seq-len",
-            str(SEQ_LEN), "--samples", str(SAMPLES), "--output", str(out), "--json", *extra]
+            str(SEQ_LEN), "--samples", str(SAMPLES), "--patch-windows", str(SAMPLES), "--output", str(out),
+            "--json", *extra]
 
 
 def run_patch(source, out, layers, calib, *extra):
@@ -140,6 +143,27 @@ def test_fit_through_a_norm_recovers_a_reachable_target():
     new, after, before = fit_through_norm(w, h, y, l, norm, objective="lstsq", steps=200)
     assert after < 1e-3 * before
     assert norm_relative_error(new, h, y, l, norm) < 1e-2 < norm_relative_error(w, h, y, l, norm)
+
+
+def test_ridge_is_chosen_on_held_back_tokens():
+    """Exact linear data keeps the smallest ridge; few noisy tokens for many features get a larger one."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2000, 30, generator=gen, dtype=torch.float64)
+    w = torch.randn(30, 6, generator=gen, dtype=torch.float64)
+    fit, held = PatchStats.empty(30, 6), PatchStats.empty(30, 6)
+    fit.add(x[:1600], x[:1600] @ w)
+    held.add(x[1600:], x[1600:] @ w)
+    ridge, errors = select_ridge(fit, held)
+    assert ridge == min(RIDGES) and set(errors) == set(RIDGES)
+    assert select_ridge(fit, PatchStats.empty(30, 6)) == (RIDGE, None)  # nothing held back: the default
+    x = torch.randn(140, 120, generator=gen, dtype=torch.float64)
+    r = x[:, :4] + 3 * torch.randn(140, 4, generator=gen, dtype=torch.float64)
+    fit, held = PatchStats.empty(120, 4), PatchStats.empty(120, 4)
+    fit.add(x[:125], r[:125])
+    held.add(x[125:], r[125:])
+    ridge, errors = select_ridge(fit, held)
+    assert ridge > 1e-3 and errors[ridge] < errors[min(RIDGES)]
+    assert fit.merged(held).tokens == 140 and torch.equal(fit.merged(None).xtx, fit.xtx)
 
 
 def test_contiguous_runs():
@@ -263,7 +287,22 @@ def test_down_proj_objective_fits_the_whole_matrix(tiny_checkpoint, calib_file, 
     (run,) = report["patch"]["runs"]
     assert run["method"] == "down_proj" and run["residual_error"]["after"] < run["residual_error"]["before"]
     m, y, l, h = reference_activations(load(source), windows(source, calib_file).input_ids, 2, 3)
-    w = torch.linalg.lstsq(h, l - y).solution.T
+    r = l - y
+    # independently: the ridge with the least error on window 7 (every 8th) when fitted on the other 11 ...
+    held = torch.zeros(h.shape[0], dtype=torch.bool)
+    held[(VALIDATE_EVERY - 1) * SEQ_LEN:VALIDATE_EVERY * SEQ_LEN] = True
+
+    def ridge_solve(rows, ridge):
+        xtx = h[rows].T @ h[rows]
+        return torch.linalg.solve(xtx + ridge * xtx.diagonal().mean() * torch.eye(h.shape[1], dtype=h.dtype),
+                                  h[rows].T @ r[rows])
+
+    errors = {ridge: float((h[held] @ ridge_solve(~held, ridge) - r[held]).norm()) for ridge in RIDGES}
+    assert run["ridge"] == min(errors, key=errors.get)
+    assert run["held_back_error_by_ridge"][f"{run['ridge']:g}"] == pytest.approx(
+        errors[run["ridge"]] / float(r[held].norm()), rel=1e-4)
+    # ... then the solve on all 12 windows
+    w = ridge_solve(torch.ones_like(held), run["ridge"]).T
     got = load_file(out / "model.safetensors")["model.layers.1.mlp.down_proj.weight"].double()
     assert (got - w).abs().max() <= 1e-3 * w.abs().max()
 
@@ -276,7 +315,7 @@ def test_patch_without_verification_still_writes(tiny_checkpoint, calib_file, tm
     report, _ = run_patch(tiny_checkpoint("phi3"), out, "1,2", calib_file, "--no-verify")
     assert report["perplexity"] is None and report["verification"] is None
     record = json.loads((out / "prune.json").read_text())
-    assert record["patch"]["objective"] == "cosine"  # the measured default
+    assert record["patch"]["objective"] == "down_proj"  # the measured default
     assert record["patch"]["runs"][0]["tensors"] == ["model.layers.0.mlp.down_proj.weight"]
     assert record["patch"]["tokens"] == SEQ_LEN * SAMPLES
 
@@ -294,8 +333,31 @@ def test_patch_dry_run_loads_nothing(tiny_checkpoint, calib_file, tmp_path, monk
     assert not out.exists()
 
 
+def test_patch_windows_beyond_the_selection_move_the_held_out_windows(tiny_checkpoint, calib_file, tmp_path):
+    """--samples 4 --patch-windows 12: the fit reads 12 windows and the held-out ones start after them."""
+    out = tmp_path / "pw"
+    args = prune_args(tiny_checkpoint("llama"), out, "2,3", calib_file, "--samples", "4", "--patch-windows", "12")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["patch"]["windows"] == 12 and report["patch"]["tokens"] == 12 * SEQ_LEN
+    assert report["perplexity"]["held_out"]["first_token"] == 12 * SEQ_LEN  # windows(): 12 windows, then 4 held out
+    assert report["perplexity"]["held_out"]["after_windows"] == 12
+    assert report["patch"]["runs"][0]["ridge_chosen_on"].startswith(f"{SEQ_LEN} tokens of every 8th")
+
+
+def test_default_patch_windows_cover_the_default_tokens():
+    from prunetool.commands.prune import PruneRequest, patch_windows_for
+    from prunetool.repair.fit import DEFAULT_PATCH_TOKENS
+
+    assert patch_windows_for(PruneRequest(patch=True), 512) * 512 == DEFAULT_PATCH_TOKENS
+    assert patch_windows_for(PruneRequest(patch=True), 300) == -(-DEFAULT_PATCH_TOKENS // 300)
+    assert patch_windows_for(PruneRequest(patch=True, patch_windows=7), 512) == 7
+
+
 @pytest.mark.parametrize("extra,words", [
     (["--patch-objective", "magic"], ["--patch-objective", "lstsq"]),
+    (["--patch-windows", "0"], ["--patch-windows"]),
 ])
 def test_bad_patch_options_are_refused(extra, words, tiny_checkpoint, calib_file, tmp_path):
     out = tmp_path / "out"
@@ -309,6 +371,9 @@ def test_objective_needs_patch(tiny_checkpoint, tmp_path):
     result = runner.invoke(app, ["prune", str(tiny_checkpoint("llama")), "--remove-layers", "1", "--no-verify",
                                  "--patch-objective", "cosine", "--output", str(out)])
     assert result.exit_code != 0 and "needs --patch" in result.stderr and not out.exists()
+    result = runner.invoke(app, ["prune", str(tiny_checkpoint("llama")), "--remove-layers", "1", "--no-verify",
+                                 "--patch-windows", "8", "--output", str(out)])
+    assert result.exit_code != 0 and "--patch-windows needs --patch" in result.stderr and not out.exists()
 
 
 def test_surgery_refuses_bad_replacements(tiny_checkpoint, tmp_path):

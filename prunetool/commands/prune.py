@@ -10,8 +10,11 @@ the scores were computed on, and the first of which a perplexity search measures
 windows, which start at the first token after the last selection window (calibration.heldout_start).
 Both are recorded in prune.json.
 
-With --patch (issue 13), after the plain cut's perplexity is measured, one hooked pass of the unpruned
-model over the *selection* windows (never the held-out ones) fits a map per contiguous removed run
+With --patch (issue 13) the stream also gives the patch windows: its first --patch-windows windows (by
+default as many as make repair.fit.DEFAULT_PATCH_TOKENS tokens; the selection windows are their first
+ones), and the held-out windows then start after whichever set reaches further, so they never overlap
+either. After the plain cut's perplexity is measured, one hooked pass of the unpruned model over the
+patch windows (never the held-out ones) fits a map per contiguous removed run
 (prunetool.repair), the new kept tensors are applied to the loaded model exactly as the written
 checkpoint will hold them (cast to the source dtype), the patched prune's held-out perplexity becomes
 the one the reloaded checkpoint must match, and the surgery writer swaps those tensors in while copying
@@ -75,6 +78,7 @@ class PruneRequest:
     plot: Path | None = None
     patch: bool = False
     patch_objective: str | None = None  # None: prunetool.repair.fit.DEFAULT_OBJECTIVE
+    patch_windows: int | None = None  # None: patch_windows_for(seq_len)
 
 
 @dataclass(frozen=True)
@@ -139,23 +143,39 @@ def check_patch_options(request: PruneRequest) -> None:
         raise OptionError(f"--patch-objective must be one of {', '.join(OBJECTIVES)}, got {request.patch_objective!r}")
     if request.patch_objective is not None and not request.patch:
         raise OptionError("--patch-objective needs --patch")
+    if request.patch_windows is not None and not request.patch:
+        raise OptionError("--patch-windows needs --patch")
+    if request.patch_windows is not None and request.patch_windows < 1:
+        raise OptionError(f"--patch-windows must be at least 1, got {request.patch_windows}")
 
 
-def load_windows(start: StartingPoint, tokenizer, model, source, *, selection: bool, holdout: int) -> CalibrationSet:
-    """The selection windows (if the run selects) and `holdout` windows after them, from one stream.
+def patch_windows_for(request: PruneRequest, seq_len: int) -> int:
+    """How many windows the patch fit reads: --patch-windows, else DEFAULT_PATCH_TOKENS worth of windows."""
+    from prunetool.repair.fit import DEFAULT_PATCH_TOKENS
 
-    Without selection (--layers) only the held-out windows are cut, from the start of the text, and
-    generated text is only as long as they need.
+    return request.patch_windows or -(-DEFAULT_PATCH_TOKENS // seq_len)
+
+
+def load_windows(start: StartingPoint, tokenizer, model, source, *, selection: bool, holdout: int,
+                 patch_windows: int = 0) -> CalibrationSet:
+    """The selection windows (if the run selects), the patch windows (the first `patch_windows`; the
+    selection windows are a prefix of them or they of the selection windows) and `holdout` windows after
+    both, from one stream. Callers take the selection windows with .first(options["samples"]).
+
+    Without selection or patch (--layers) only the held-out windows are cut, from the start of the text,
+    and generated text is only as long as they need.
     """
     options = start.calibration
-    samples = options["samples"] if selection else 0
+    samples = max(options["samples"] if selection else 0, patch_windows)
     try:
         windows = load_calibration(options["calib"], tokenizer, seq_len=options["seq_len"], stride=options["stride"],
                                    samples=samples, model=model, model_key=model_key(source), holdout=holdout,
                                    small=not selection)
     except CalibrationError as error:
-        raise CalibrationError(f"{error} (prune holds out {holdout} windows after the {samples} selection "
-                               "windows; pass --no-verify or lower --samples)") from None
+        what = f"{samples} selection" if not patch_windows else f"{samples} selection and patch"
+        fix = "--samples" if not patch_windows else "--samples or --patch-windows"
+        raise CalibrationError(f"{error} (prune holds out {holdout} windows after the {what} windows; pass "
+                               f"--no-verify or lower {fix})") from None
     if selection and start.sha256 and windows.sha256 != start.sha256:
         raise CalibrationError(f"the calibration text of the scores ({start.origin}, sha256 {start.sha256[:12]}…) "
                                f"is not the text loaded now ({windows.source}, sha256 {windows.sha256[:12]}…), so "
@@ -216,7 +236,7 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
     clock = time.perf_counter()
     sites = plan_sites(model, plan.removed)
     with window_progress(console) as progress:
-        task = progress.add_task("patch: calibration pass", total=calibration.windows)
+        task = progress.add_task("patch: calibration pass", total=calibration.windows)  # the patch windows
         data = capture_runs(model, calibration.input_ids, sites, objective, batch_size=request.batch_size,
                             on_batch=lambda n: progress.advance(task, n))
     patches = fit_runs(model, data, objective)
@@ -242,8 +262,11 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
             replacements[disk_name] = value
         runs.append(record)
     record = {"objective": objective, "windows": calibration.windows, "tokens": calibration.tokens,
-              "windows_used": "the selection windows (input_ids), never the held-out ones",
-              "ridge": f"{RIDGE:g} x mean(diag X^T X)", "cache_tokens_cap": CACHE_TOKENS,
+              "seq_len": calibration.seq_len, "stride": calibration.stride,
+              "windows_used": "the first windows of the calibration stream (the selection windows and, "
+                              "when more, the ones after them), never the held-out ones",
+              "ridge": f"lambda = ridge x mean(diag X^T X): {RIDGE:g} for the map T; whole down_proj: "
+                       "chosen per run on every 8th patch window (runs[].ridge)", "cache_tokens_cap": CACHE_TOKENS,
               "runs": runs, "seconds": round(time.perf_counter() - clock, 3)}
     return replacements, record
 
@@ -301,10 +324,11 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
                                       trust_remote_code=request.trust_remote_code)
         # a criterion's windows are cut even when only recorded scores rank: the held-out text must start
-        # after the text those scores saw, and its sha256 is checked against theirs; --patch fits on them too
-        calibration = load_windows(start, tokenizer, model, source, selection=manual is None or patching,
-                                   holdout=HOLDOUT_WINDOWS if verifying else 0)
-        console.print(f"loaded the model and {calibration.windows} selection + "
+        # after the text those scores saw (and after the patch windows), and its sha256 is checked against theirs
+        patch_windows = patch_windows_for(request, start.calibration["seq_len"]) if patching else 0
+        calibration = load_windows(start, tokenizer, model, source, selection=manual is None,
+                                   holdout=HOLDOUT_WINDOWS if verifying else 0, patch_windows=patch_windows)
+        console.print(f"loaded the model and {calibration.windows} selection/patch + "
                       f"{0 if calibration.held_out is None else len(calibration.held_out)} held-out windows in "
                       f"{time.perf_counter() - clock:.1f}s", highlight=False)
         target = pick_device(request.device)
@@ -313,14 +337,16 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     if manual is not None:
         plan = manual_plan(spec, manual, num_layers)
     else:
-        plan, scores = choose(request, spec, scores, model, calibration, console)
+        selection = calibration.first(min(start.calibration["samples"], calibration.windows))
+        plan, scores = choose(request, spec, scores, model, selection, console)
     result = {"plan": plan.to_json(), "dry_run": request.dry_run, "scores": scores.to_json() if scores else None}
     if request.dry_run:
         return result
     perplexity_info = measure_perplexity(model, calibration, plan) if verifying else None
     replacements = patch = None
     if patching:
-        replacements, patch = patch_model(model, plan, calibration, source, request, console)
+        patch_set = calibration.first(patch_windows)
+        replacements, patch = patch_model(model, plan, patch_set, source, request, console)
         if perplexity_info is not None:
             with layers_removed(model, plan.removed):
                 patched = perplexity(model, calibration.held_out)

@@ -8,6 +8,8 @@ Per run [a, b] (see sites.py), forward hooks take:
 Least-squares objectives add each batch to float64 statistics (PatchStats) and drop it; the cosine
 objective and the fit through a norm also keep up to `cache_tokens` tokens of X, Y, L in float32 on
 CPU. The forward stops after the deepest target is reached: later layers and the head never run.
+The whole-down_proj fit sends every VALIDATE_EVERY-th window to separate statistics (`held`) that choose
+its ridge (patch.select_ridge); the split is by window index, so it does not depend on the batch size.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from prunetool.architecture import decoder_of
 from prunetool.capture import _hidden_from, _output_tensor
-from prunetool.repair.patch import CACHE_TOKENS, PatchStats
+from prunetool.repair.patch import CACHE_TOKENS, VALIDATE_EVERY, PatchStats
 from prunetool.repair.sites import PatchSite, post_mlp_norm
 
 
@@ -33,6 +35,7 @@ class RunData:
     site: PatchSite
     features: str  # "mlp_output" | "down_proj_input" | "layer0_input" | "none"
     stats: PatchStats | None = None
+    held: PatchStats | None = None  # windows that choose the ridge (whole-down_proj fit only)
     cache: dict = field(default_factory=lambda: {"x": [], "y": [], "l": []})
     cached: int = 0
     tokens: int = 0
@@ -57,6 +60,10 @@ def needs_stats(site: PatchSite) -> bool:
     return site.kind in ("down_proj", "embedding")
 
 
+def selects_ridge(site: PatchSite, objective: str) -> bool:
+    return site.kind == "down_proj" and objective == "down_proj"
+
+
 def capture_runs(model, windows: torch.Tensor, sites: list[PatchSite], objective: str, *,
                  cache_tokens: int = CACHE_TOKENS, batch_size: int = 1, on_batch=None) -> list[RunData]:
     """Run the unpruned `model` over `windows` (W, T) once; returns one RunData per site (skips included)."""
@@ -69,6 +76,8 @@ def capture_runs(model, windows: torch.Tensor, sites: list[PatchSite], objective
         return data
     handles = []
     pending: dict[int, dict] = {}
+    position = {"start": 0}  # index of the batch's first window
+    windows_in_batch = [1]
     deepest = max(len(layers) if run.site.final else run.site.last + 1 for run in active)
 
     def store(run: RunData, key: str):
@@ -96,7 +105,15 @@ def capture_runs(model, windows: torch.Tensor, sites: list[PatchSite], objective
                 bias = None
                 if run.features == "down_proj_input":
                     bias = layers[run.site.layer].mlp.down_proj.bias
-                run.stats.add(x, residual if bias is None else residual - bias.detach().to("cpu", torch.float64))
+                residual = residual if bias is None else residual - bias.detach().to("cpu", torch.float64)
+                if run.held is None:
+                    run.stats.add(x, residual)
+                else:
+                    per_window = x.shape[0] // windows_in_batch[0]
+                    for k in range(windows_in_batch[0]):
+                        part = slice(k * per_window, (k + 1) * per_window)
+                        held = (position["start"] + k) % VALIDATE_EVERY == VALIDATE_EVERY - 1
+                        (run.held if held else run.stats).add(x[part], residual[part])
             if needs_cache(run.site, objective) and run.cached < cache_tokens:
                 take = min(cache_tokens - run.cached, x.shape[0])
                 for key, value in (("x", x), ("y", y), ("l", target)):
@@ -114,6 +131,8 @@ def capture_runs(model, windows: torch.Tensor, sites: list[PatchSite], objective
                 features = (layers[site.layer].mlp.down_proj.in_features if run.features == "down_proj_input"
                             else width)
                 run.stats = PatchStats.empty(features, width)
+                if selects_ridge(site, objective):
+                    run.held = PatchStats.empty(features, width)
             stop = (len(layers) if site.final else site.last + 1) == deepest
             if site.kind == "embedding":
                 handles.append(layers[0].register_forward_pre_hook(store(run, "x"), with_kwargs=True))
@@ -131,6 +150,7 @@ def capture_runs(model, windows: torch.Tensor, sites: list[PatchSite], objective
         with torch.no_grad():
             for start in range(0, windows.shape[0], batch_size):
                 batch = windows[start:start + batch_size].to(device=device, dtype=torch.long)
+                position["start"], windows_in_batch[0] = start, int(batch.shape[0])
                 try:
                     decoder(input_ids=batch, use_cache=False)
                 except _Reached:

@@ -3,9 +3,10 @@
 Objectives (`prune --patch-objective`):
 - "lstsq": T = argmin ||M T - (L - Y)||, folded into down_proj (W' = T^T W), ReplaceMe's LS variant;
 - "cosine": the lstsq T refined by L-BFGS on mean(1 - cos(Y + M T, L)) over cached tokens;
-- "down_proj": the whole down_proj refitted by least squares, W' = argmin ||H W'^T - (L - Y)|| with H
-  the MLP's hidden activations (ff x ff normal equations): still a plain down_proj, but ff x d free
-  numbers instead of d x d.
+- "down_proj": the whole down_proj refitted by ridge least squares, W' = argmin ||H W'^T - (L - Y)||^2 +
+  lambda ||W'||^2 with H the MLP's hidden activations (ff x ff normal equations): still a plain down_proj,
+  but ff x d free numbers instead of d x d. lambda is chosen on every 8th calibration window
+  (patch.select_ridge), then the solve uses all of them.
 A run that starts at layer 0 always uses the map T (lstsq, or cosine-refined) on the embeddings; a run
 after a layer with a post-MLP norm fits down_proj through the norm (squared error, or cosine).
 Results are float64 tensors keyed by decoder-relative name; the caller casts them to the checkpoint's dtype.
@@ -20,15 +21,19 @@ import torch
 from prunetool.architecture import decoder_of
 from prunetool.repair.capture import RunData
 from prunetool.repair.patch import (cosine_loss, fit_through_norm, fold_down_proj, fold_embedding, identity_error,
-                                    norm_relative_error, refine_cosine, relative_error, solve_patch)
+                                    norm_relative_error, refine_cosine, relative_error, select_ridge, solve_patch)
 from prunetool.repair.sites import norm_name, post_mlp_norm
 
 OBJECTIVES = ("lstsq", "cosine", "down_proj")
-# Default by measurement (bench/repair.py, bench/results/repair.json): SmolLM2-135M without layers 13-18,
-# C4 32 x 256 calibration, WikiText-2 16 x 512: plain cut 84.56, lstsq 76.81 (11.1% of the log-perplexity
-# gap), cosine 75.02 (13.8%), down_proj 77.38 (10.2%: lower calibration error, worse held-out). Cosine
-# costs a few seconds of L-BFGS on top of the calibration pass (74 s against 70 s on 2 busy cores).
-DEFAULT_OBJECTIVE = "cosine"
+# Default by measurement (bench/repair.py, bench/results/repair.json; SmolLM2-135M without layers 13-18,
+# C4 calibration, WikiText-2 16 x 512, plain cut 84.56): with 8k tokens the map T did best (cosine 75.02,
+# 13.8% of the log-perplexity gap; down_proj 77.38 at ridge 1e-8), but every objective gains from tokens
+# and the whole down_proj gains most once its ridge is chosen on held-back windows: at 64k tokens lstsq T
+# 70.68 (20.6%), cosine T 70.25 (21.3%, 32k cached), down_proj 65.45 (29.5%). So the default is down_proj,
+# fitted on DEFAULT_PATCH_TOKENS of calibration (prune --patch-windows): more saturates (128k tokens 64.81,
+# 30.6%; 256k 64.86, 30.5%; bench/results/repair_tokens.json) at 2-4x the calibration pass.
+DEFAULT_OBJECTIVE = "down_proj"
+DEFAULT_PATCH_TOKENS = 65536
 
 
 @dataclass
@@ -83,10 +88,16 @@ def fit_run(model, run: RunData, objective: str) -> RunPatch:
             "tensors": [name], "residual_error": errors, "cached_tokens": run.cached})
     extra = {}
     if objective == "down_proj":
-        solution = solve_patch(run.stats)  # [ff, d] = W'^T
-        errors = {"before": relative_error(run.stats, weight.to(torch.float64).T),
-                  "after": relative_error(run.stats, solution)}
+        ridge, held_errors = select_ridge(run.stats, run.held)
+        stats = run.stats.merged(run.held)
+        solution = solve_patch(stats, ridge)  # [ff, d] = W'^T
+        errors = {"before": relative_error(stats, weight.to(torch.float64).T),
+                  "after": relative_error(stats, solution)}
         tensors = {site.tensors[0]: solution.T.contiguous()}
+        extra = {"ridge": ridge, "ridge_chosen_on": (
+            f"{run.held.tokens} tokens of every 8th calibration window, fitted on the other {run.stats.tokens}"
+            if held_errors else "no held-back window (fewer than 8 calibration windows): the default ridge"),
+            **({"held_back_error_by_ridge": {f"{r:g}": e for r, e in held_errors.items()}} if held_errors else {})}
     else:
         t = solve_patch(run.stats)
         if objective == "cosine":
