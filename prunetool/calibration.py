@@ -463,3 +463,17 @@ def load_calibration(spec: str | None, tokenizer, *, seq_len: int = 512, stride:
         raise CalibrationError(f"calibration file {path.resolve()} does not exist")
     raise CalibrationError(f"unknown calibration source {spec!r}: no such file, and not a preset "
                            f"({', '.join(sorted(presets))}) or hf:DATASET[:CONFIG][:SPLIT][:FIELD]")
+
+
+def recut_held_out(held: dict, tokenizer, model_key: str | None) -> torch.Tensor:
+    """The held-out windows prune recorded (`perplexity.held_out`), cut again from the same text, which must
+    hash the same: what `eval` and `heal` measure is exactly what `prune` reported on."""
+    try:
+        windows = load_calibration(held["spec"], tokenizer, seq_len=held["seq_len"], samples=0,
+                                   holdout=held["windows"], holdout_from=held["first_token"], model_key=model_key)
+    except CalibrationError as error:
+        raise CalibrationError(f"cannot re-cut prune's held-out windows: {error}") from None
+    if windows.sha256 != held["sha256"]:
+        raise CalibrationError(f"prune's calibration text {held['source']} has changed since it was pruned (sha256 "
+                               f"{held['sha256'][:12]}… then, {windows.sha256[:12]}… now); prune again")
+    return windows.held_out

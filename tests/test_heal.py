@@ -13,6 +13,7 @@ from prunetool.commands import heal as heal_module
 from prunetool.commands.heal import HealRequest, run_heal
 from prunetool.repair.distill import distill_loss, kl_loss, lr_factor
 from prunetool.runs import load_current_run, record_current_run
+from test_prune_cli import assert_refused  # the one-line refusal check prune tests share
 from rich.console import Console
 
 runner = CliRunner()
@@ -48,16 +49,6 @@ def tensors(folder):
             for name in f.keys():
                 found[name] = f.get_tensor(name)
     return found
-
-
-def assert_refused(result, *words, nothing_at=None):
-    assert result.exit_code != 0, result.output
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    for word in words:
-        assert word.lower() in lines[0].lower(), lines[0]
-    if nothing_at is not None:
-        assert not nothing_at.exists()
 
 
 # ------------------------------------------------------------------------------------------ pure maths

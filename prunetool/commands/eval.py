@@ -22,7 +22,7 @@ from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, heldout_pe
 from prunetool.evaluation.tasks import (
     HELDOUT, data_dir_from, default_task_names, plan_tasks, split_names,
 )
-from prunetool.calibration import HOLDOUT_WINDOWS, load_calibration
+from prunetool.calibration import HOLDOUT_WINDOWS, load_calibration, recut_held_out
 from prunetool.loading import load_model
 from prunetool.progress import window_progress
 from prunetool.runs import current_pruned
@@ -64,8 +64,7 @@ def candidates(specs: list[str], calibration: dict) -> tuple[list[Candidate], di
     run, folder = current_pruned()
     held_out = run["pruned"].get("held_out")
     if held_out is not None:  # exactly the windows prune held out
-        options = {"calib": held_out["spec"], "seq_len": held_out["seq_len"], "stride": held_out["after_stride"],
-                   "samples": held_out["after_windows"], "holdout": held_out["windows"], "sha256": held_out["sha256"]}
+        options = {"held_out": held_out}
     else:
         options = {key: run.get("options", {}).get(key, value) for key, value in DEFAULT_CALIBRATION.items()}
         options["stride"] = options["stride"] or options["seq_len"]
@@ -84,19 +83,17 @@ def read_pruning_record(folder: Path, fallback: dict) -> dict:
 
 def heldout_windows(first_source, model, tokenizer, options: dict):
     """The windows `prune` holds out: after the selection windows of the same calibration text, never overlapping."""
-    from prunetool.errors import CalibrationError
-
-    holdout = options.get("holdout", HOLDOUT_WINDOWS)
-    windows = load_calibration(options["calib"], tokenizer, seq_len=options["seq_len"], stride=options["stride"],
-                               samples=options["samples"], model=model, model_key=model_key(first_source),
-                               holdout=holdout, small=options["samples"] == 0)
-    if options.get("sha256") and windows.sha256 != options["sha256"]:
-        raise CalibrationError(f"the held-out text prune used (sha256 {options['sha256'][:12]}…) is not the text "
-                               f"loaded now ({windows.source}); prune again")
-    held = windows.describe_held_out()
+    if "held_out" in options:  # the current run: what prune recorded
+        held = options["held_out"]
+        held_out = recut_held_out(held, tokenizer, model_key(first_source))
+    else:
+        windows = load_calibration(options["calib"], tokenizer, seq_len=options["seq_len"], stride=options["stride"],
+                                   samples=options["samples"], model=model, model_key=model_key(first_source),
+                                   holdout=HOLDOUT_WINDOWS, small=options["samples"] == 0)
+        held, held_out = windows.describe_held_out(), windows.held_out
     description = (f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} from token "
                    f"{held['first_token']}, after the {held['after_windows']} calibration windows")
-    return windows.held_out, description
+    return held_out, description
 
 
 def run_eval(request: EvalRequest, console: Console) -> dict:

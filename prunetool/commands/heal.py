@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from prunetool.architecture import decoder_of
-from prunetool.calibration import load_calibration
-from prunetool.checkpoint_io import check_free_folder, remove_tree, write_json_atomic
+from prunetool.calibration import load_calibration, recut_held_out
+from prunetool.checkpoint_io import remove_tree, write_json_atomic
 from prunetool.errors import CalibrationError, ModelSourceError, OptionError, PrunetoolError
 from prunetool.loading import load_model, pick_device, pick_dtype
 from prunetool.perplexity import perplexity
@@ -119,19 +119,6 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer, student, teacher,
             or student_tokenizer.all_special_ids != teacher_tokenizer.all_special_ids):
         raise OptionError(f"the teacher {teacher_spec} has a different tokenizer from the student's (token ids do "
                           "not match); heal needs the pruned model's own base (or one with its tokenizer)")
-
-
-def held_out_windows(held: dict, tokenizer, key: str | None) -> torch.Tensor:
-    """prune's held-out windows, re-cut from the same text, which must hash the same."""
-    try:
-        windows = load_calibration(held["spec"], tokenizer, seq_len=held["seq_len"], samples=0,
-                                   holdout=held["windows"], holdout_from=held["first_token"], model_key=key)
-    except CalibrationError as error:
-        raise CalibrationError(f"cannot re-cut prune's held-out windows: {error}") from None
-    if windows.sha256 != held["sha256"]:
-        raise CalibrationError(f"prune's calibration text {held['source']} has changed since it was pruned (sha256 "
-                               f"{held['sha256'][:12]}… then, {windows.sha256[:12]}… now); prune again")
-    return windows.held_out
 
 
 def training_windows(request: HealRequest, held: dict, tokenizer, key: str | None, count: int) -> tuple[torch.Tensor, dict]:
@@ -320,7 +307,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
     base = dataclasses.replace(teacher_source, spec=record.get("base_model") or teacher_spec,
                                path=Path(record["source_path"]))
     key = model_key(base)  # prune's generated text is cached under its base's key
-    held_out = held_out_windows(held, tokenizer, key)
+    held_out = recut_held_out(held, tokenizer, key)
     windows, data = training_windows(request, held, tokenizer, key, count)
     console.print(f"loaded student, teacher and {count} training windows in {time.perf_counter() - clock:.1f}s",
                   highlight=False)
