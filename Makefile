@@ -18,11 +18,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The demo needs neither internet nor a data folder: eval then runs the hop probes and held-out perplexity.
+# The repair is short so the demo stays within minutes: the patch is fitted on the 16 selection windows
+# (8k tokens; 64k by default), and heal trains on the 4k generated tokens after prune's held-out windows.
 demo: setup
 	$(BIN)/prunetool models
 	$(BIN)/prunetool score smollm2-135m --output-file demo-scores.json --plot demo-scores.png
 	$(BIN)/prunetool heads smollm2-135m --kv-budget 128 --output-dir demo-heads --force
-	$(BIN)/prunetool prune --drop 6 --output-dir demo-pruned --force --plot demo-prune.png
+	$(BIN)/prunetool prune --drop 6 --patch --patch-windows 16 --output-dir demo-pruned --force --plot demo-prune.png
+	$(BIN)/prunetool heal --tokens 4096 --seq-len 256 --batch-size 4 --output-dir demo-healed --force
 	$(BIN)/prunetool eval --limit 10 --output-file demo-eval.json
 
 test: setup
@@ -40,4 +43,4 @@ docs: setup
 	$(BIN)/python bench/render_docs.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache demo-scores.json demo-scores.png demo-heads demo-pruned demo-prune.png demo-eval.json
+	rm -rf $(VENV) .pytest_cache demo-scores.json demo-scores.png demo-heads demo-pruned demo-healed demo-prune.png demo-eval.json

@@ -353,9 +353,9 @@ def heal(
     calib: Annotated[Optional[str], typer.Option("--calib", help="Train on this text instead (same forms as score's "
                      "--calib); default: prune's calibration text after its held-out windows.")] = None,
     seq_len: SeqLenOpt = 256,
-    batch_size: BatchOpt = 1,
+    batch_size: BatchOpt = 4,
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")] = 1,
-    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate (default 1e-4 for lora, 2e-5 "
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate (default 1e-3 for lora, 2e-5 "
                   "otherwise: LoRA's zero-initialised adapters need larger steps, full weights drift with them).")] = None,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank r (alpha = 2r).")] = 8,
     temperature: Annotated[float, typer.Option("--temperature", help="Softmax temperature of the KL term (scaled "
@@ -368,7 +368,9 @@ def heal(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload in --dtype on --device, decode with and "
                       "without cache, check held-out perplexity.")] = True,
-    dtype: DtypeOpt = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="Teacher and verification dtype: auto (float32 on CPU, "
+                     "bfloat16 on GPU), float32, bfloat16, float16. With bfloat16 the student keeps float32 weights "
+                     "and trains under bf16 autocast (2.5x faster on CPUs with AMX).")] = "auto",
     device: DeviceOpt = "auto",
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,

@@ -71,6 +71,18 @@ def test_kl_loss_matches_a_slow_reference_with_temperature():
     assert float(kl_loss(teacher, teacher, 2.0)) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_kl_loss_gradient_is_the_softmax_difference():
+    """d/ds of T^2 KL(p_T || q_T), averaged over N tokens, is T (q_T - p_T) / N: the fused form must keep it."""
+    torch.manual_seed(2)
+    teacher = torch.randn(3, 4, 13) * 2
+    for temperature in (1.0, 2.0):
+        student = (torch.randn(3, 4, 13) * 2).requires_grad_(True)
+        kl_loss(student, teacher, temperature).backward()
+        expected = temperature * (torch.softmax(student.detach() / temperature, -1)
+                                  - torch.softmax(teacher / temperature, -1)) / 12
+        torch.testing.assert_close(student.grad, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_distill_loss_mixes_kl_and_next_token_ce():
     torch.manual_seed(1)
     student, teacher = torch.randn(2, 6, 9), torch.randn(2, 6, 9)
@@ -250,3 +262,51 @@ def test_a_nan_loss_stops_training_and_publishes_nothing(pruned_llama, tmp_path,
     assert result.exit_code != 0 and not out.exists()
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "loss became nan at step 1" in errors[0], result.stderr
+
+
+def test_eval_with_no_model_shows_base_pruned_patched_and_healed(tiny_checkpoint, calib_file, tmp_path):
+    """A patched and healed run: the plain cut is rebuilt in memory and must score what prune recorded for it."""
+    out = tmp_path / "patched"
+    result = runner.invoke(app, ["prune", str(tiny_checkpoint("qwen3")), "--remove-layers", "2,3", "--patch",
+                                 "--patch-windows", "8", "--calib", str(calib_file), "--seq-len", str(SEQ),
+                                 "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    healed = tmp_path / "healed"
+    result = runner.invoke(app, ["heal", "--train", "all", "--tokens", "256", "--seq-len", "32", "--lr", "1e-3",
+                                 "--output-dir", str(healed)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["eval", "--tasks", "heldout_ppl", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert list(report["models"]) == ["base", "pruned", "patched", "healed"]
+    models = report["models"]
+    assert models["pruned"]["removed_in_memory"] == [2, 3] and models["patched"]["path"] == str(out.resolve())
+    record = json.loads((out / "prune.json").read_text())["perplexity"]
+    ppl = {label: entry["heldout_ppl"]["perplexity"] for label, entry in models.items()}
+    assert ppl["base"] == pytest.approx(record["before"], rel=1e-4)
+    assert ppl["pruned"] == pytest.approx(record["plain_cut"], rel=1e-4)
+    assert ppl["patched"] == pytest.approx(record["patched"], rel=1e-4) and ppl["patched"] != ppl["pruned"]
+    after = json.loads((healed / "prune.json").read_text())["heal"]["perplexity"]["after"]
+    assert ppl["healed"] == pytest.approx(after, rel=1e-4)
+
+
+def test_eval_refuses_a_healed_model_that_is_gone(pruned_llama, tmp_path):
+    out = tmp_path / "healed"
+    assert runner.invoke(app, ["heal", "--train", "all", "--tokens", "64", "--seq-len", "32",
+                               "--output-dir", str(out)]).exit_code == 0
+    import shutil
+
+    shutil.rmtree(out)
+    assert_refused(runner.invoke(app, ["eval", "--tasks", "heldout_ppl"]), "healed model", "is gone")
+
+
+def test_heal_in_bfloat16_trains_under_autocast_and_verifies_in_bfloat16(pruned_llama, tmp_path):
+    out = tmp_path / "healed"
+    result = runner.invoke(app, ["heal", "--train", "all", "--tokens", "2048", "--seq-len", "32", "--batch-size", "2",
+                                 "--lr", "1e-3", "--dtype", "bfloat16", "--output-dir", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    heal = report["heal"]
+    assert heal["loss_summary"]["mean_last_10pct"] < 0.8 * heal["loss_summary"]["first"]
+    assert heal["perplexity"]["after_dtype"] == "bfloat16" and heal["perplexity"]["after"] < heal["perplexity"]["before"]
+    assert report["verification"]["dtype"] == "bfloat16"

@@ -1,7 +1,9 @@
 """`prunetool eval`: which models, which tasks, then each model loaded in turn and scored.
 
-With no MODEL the current run supplies the base and its pruned copy, so the table shows what the
-pruning cost. Tasks are checked before the first model is loaded; models are loaded one at a time
+With no MODEL the current run supplies the base and what was made from it, side by side: the plain
+cut, the patched cut (`prune --patch`) and the healed model (`prunetool heal`), whichever it has. A patched
+run wrote only the patched folder; its plain cut is the base with the same layers removed in memory,
+which is exactly the checkpoint a plain prune writes (same tensors, same config edits). Tasks are checked before the first model is loaded; models are loaded one at a time
 so two checkpoints never sit in memory together.
 """
 
@@ -23,6 +25,7 @@ from prunetool.evaluation.tasks import (
     HELDOUT, data_dir_from, default_task_names, plan_tasks, split_names,
 )
 from prunetool.calibration import HOLDOUT_WINDOWS, load_calibration, recut_held_out
+from prunetool.in_memory import prune_in_memory
 from prunetool.loading import load_model
 from prunetool.progress import window_progress
 from prunetool.runs import current_pruned
@@ -48,9 +51,10 @@ class EvalRequest:
 
 @dataclass(frozen=True)
 class Candidate:
-    label: str  # the column header: "base" / "pruned", or what the user typed
+    label: str  # the column header: "base" / "pruned" / "patched" / "healed", or what the user typed
     spec: str
-    role: str  # "base", "pruned" or "model"
+    role: str  # "base", "pruned", "patched", "healed" or "model"
+    remove: tuple[int, ...] = ()  # layers to remove in memory after loading (the plain cut of a patched run)
 
 
 def candidates(specs: list[str], calibration: dict) -> tuple[list[Candidate], dict | None, dict]:
@@ -68,8 +72,25 @@ def candidates(specs: list[str], calibration: dict) -> tuple[list[Candidate], di
     else:
         options = {key: run.get("options", {}).get(key, value) for key, value in DEFAULT_CALIBRATION.items()}
         options["stride"] = options["stride"] or options["seq_len"]
-    return ([Candidate("base", run["model"], "base"), Candidate("pruned", str(folder), "pruned")],
-            read_pruning_record(folder, run["pruned"]), options)
+    record = read_pruning_record(folder, run["pruned"])
+    return run_candidates(run, folder, record), record, options
+
+
+def run_candidates(run: dict, folder: Path, record: dict) -> list[Candidate]:
+    """base | pruned | patched | healed, for whichever of them the current run has."""
+    chosen = [Candidate("base", run["model"], "base")]
+    if record.get("patch"):
+        chosen += [Candidate("pruned", run["model"], "pruned", tuple(record["removed"])),
+                   Candidate("patched", str(folder), "patched")]
+    else:
+        chosen.append(Candidate("pruned", str(folder), "pruned"))
+    healed = run["pruned"].get("healed")
+    if healed is not None:
+        if not Path(healed["path"]).is_dir():
+            raise OptionError(f"the current run's healed model {healed['path']} is gone; heal again, or name the "
+                              "models to compare")
+        chosen.append(Candidate("healed", healed["path"], "healed"))
+    return chosen
 
 
 def read_pruning_record(folder: Path, fallback: dict) -> dict:
@@ -119,7 +140,11 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         model_clock = time.perf_counter()
         model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
                                       trust_remote_code=request.trust_remote_code)
+        if candidate.remove:
+            prune_in_memory(model, candidate.remove)
         entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
+        if candidate.remove:
+            entry["removed_in_memory"] = list(candidate.remove)
         held_out = None
         if any(plan.kind == "heldout" for plan in plans):  # may generate calibration text: its own progress bar
             held_out = heldout_windows(sources[0], model, tokenizer, calibration)
@@ -146,6 +171,7 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         "prunetool": {
             "version": __version__,
             "models": [{"label": c.label, "model": c.spec, "path": str(s.path), "role": c.role}
+                       | ({"removed_in_memory": list(c.remove)} if c.remove else {})
                        for c, s in zip(chosen, sources)],
             "pruning": pruning,
             "tasks": [plan.name for plan in plans],

@@ -39,7 +39,7 @@ from prunetool.sources import model_key, resolve_model
 from prunetool.verify import VerifySetting, verify_checkpoint
 
 TRAIN_MODES = ("lora", "adjacent", "all")
-DEFAULT_LR = {"lora": 1e-4, "adjacent": 2e-5, "all": 2e-5}
+DEFAULT_LR = {"lora": 1e-3, "adjacent": 2e-5, "all": 2e-5}  # lora: bench/results/repair_heal_lr.json
 LORA_ALPHA_PER_RANK = 2  # lora_alpha = 2 r: merged update B @ A * 2
 
 
@@ -55,7 +55,7 @@ class HealRequest:
     train: str = "lora"
     lora_rank: int = 8
     lr: float | None = None  # None: DEFAULT_LR[train]
-    batch_size: int = 1
+    batch_size: int = 4
     grad_accum: int = 1
     temperature: float = 1.0
     ce_weight: float = 0.0
@@ -300,7 +300,8 @@ def run_heal(request: HealRequest, console: Console) -> dict:
     student_source = resolve_model(str(folder), trust_remote_code=request.trust_remote_code)
     teacher, teacher_tokenizer = load_model(teacher_source, dtype=request.dtype, device=request.device,
                                             trust_remote_code=request.trust_remote_code)
-    # the student trains in float32 (AdamW on bfloat16 weights loses small updates); bf16 autocast on GPU
+    # the student trains in float32 (AdamW on bfloat16 weights loses small updates); with --dtype bfloat16 its
+    # matmuls run under bf16 autocast, on GPU and CPU alike (2.5x faster on a CPU with AMX: docs/repair.md)
     student, tokenizer = load_model(student_source, dtype="float32", device=request.device,
                                     trust_remote_code=request.trust_remote_code)
     check_same_tokenizer(tokenizer, teacher_tokenizer, student, teacher, teacher_spec)
@@ -321,7 +322,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
                    "data_sha256": data["sha256"], "first_token": data["first_token"], "seed": request.seed}
     config = TrainConfig(steps=steps, batch_size=request.batch_size, grad_accum=request.grad_accum, lr=lr,
                          temperature=request.temperature, ce_weight=request.ce_weight,
-                         autocast_bf16=target.type == "cuda" and setting.dtype == torch.bfloat16,
+                         autocast_bf16=setting.dtype == torch.bfloat16,
                          fingerprint=fingerprint)
     torch.manual_seed(request.seed)
     with heal_progress(console) as progress:

@@ -2,6 +2,7 @@
 
 Loss (per predicted token, averaged over tokens):
     KL_T = T^2 * sum_v p_T(v) (log p_T(v) - log q_T(v)),  p_T = softmax(teacher / T), q_T = softmax(student / T)
+         = T^2 * (CE(p_T, q_T) - H(p_T))
     loss = (1 - a) KL_T + a CE(student, next token)
 Forward KL (teacher || student), as Minitron and NeMo's KD loss use; the T^2 keeps gradient sizes comparable
 across temperatures (Hinton et al.). CE is at temperature 1.
@@ -18,11 +19,21 @@ WARMUP_FRACTION = 0.1  # of the optimizer steps; at least one step
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Mean over tokens of T^2 KL(softmax(teacher/T) || softmax(student/T)); logits (..., V), float32 maths."""
-    student = F.log_softmax(student_logits.float() / temperature, dim=-1).reshape(-1, student_logits.shape[-1])
-    teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1).reshape(-1, teacher_logits.shape[-1])
-    per_token = F.kl_div(student, teacher, reduction="none", log_target=True).sum(-1)
-    return per_token.mean() * temperature**2
+    """Mean over tokens of T^2 KL(softmax(teacher/T) || softmax(student/T)); logits (..., V), float32 maths.
+
+    Written as soft-target cross-entropy minus the teacher's entropy: KL = CE(p_T, q_T) - H(p_T). The entropy
+    needs no gradient and the cross-entropy is one fused kernel, which measured 2x faster forward and backward
+    than log_softmax + kl_div on SmolLM2's 49k vocabulary (1020 tokens, 2 CPU threads).
+    """
+    vocab = student_logits.shape[-1]
+    student = student_logits.reshape(-1, vocab).float() / temperature
+    with torch.no_grad():
+        teacher = F.log_softmax(teacher_logits.reshape(-1, vocab).float() / temperature, dim=-1)
+        probabilities = teacher.exp()
+        negative_entropy = (probabilities * teacher).sum(-1)
+        del teacher
+    cross_entropy = F.cross_entropy(student, probabilities, reduction="none")
+    return (cross_entropy + negative_entropy).mean() * temperature**2
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor, *,

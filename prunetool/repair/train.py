@@ -36,7 +36,7 @@ class TrainConfig:
     ce_weight: float = 0.0
     clip: float = 1.0
     weight_decay: float = 0.0
-    autocast_bf16: bool = False  # bfloat16 autocast on CUDA (weights and optimizer stay float32)
+    autocast_bf16: bool = False  # bfloat16 autocast (weights and optimizer stay float32)
     fingerprint: dict = field(default_factory=dict)  # what a checkpoint must match to be resumed
 
     @property
