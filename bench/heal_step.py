@@ -7,8 +7,9 @@ the loss, the backward and the AdamW step, each timed with perf_counter after wa
 
 - float32: what `heal --dtype float32` (the CPU default) runs;
 - bf16 autocast: `heal --dtype bfloat16` (teacher in bfloat16, student weights float32, matmuls bf16);
-- the loss alone on the same logits: prunetool's fused form (soft-target cross-entropy minus the teacher's
-  entropy) against log_softmax + kl_div, forward and backward.
+- the loss alone on the same logits: prunetool's chunked form (loss and gradient in one pass over chunks
+  of rows) against autograd through log_softmax + kl_div, forward and backward, with the peak memory
+  each adds (tracemalloc does not see torch's allocator, so peak RSS growth in a fresh subprocess).
 
 Run on an otherwise idle machine:   nice .venv/bin/python bench/heal_step.py
 Writes bench/results/heal_step.json.
@@ -29,6 +30,53 @@ REMOVED = tuple(range(13, 19))
 PARTS = ("teacher", "student", "loss", "backward_and_step")
 
 
+def kl_div_reference(student_logits, teacher_logits):
+    """What the loss was before: autograd through two log_softmax and kl_div (keeps full-size tensors)."""
+    import torch.nn.functional as F
+
+    student_log = F.log_softmax(student_logits.float(), dim=-1)
+    teacher_log = F.log_softmax(teacher_logits.float(), dim=-1)
+    return F.kl_div(student_log, teacher_log, reduction="none", log_target=True).sum(-1).mean()
+
+
+def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, queue) -> None:
+    import resource
+    import statistics
+
+    import torch
+
+    from prunetool.repair.distill import kl_loss
+
+    function = kl_loss if name == "chunked" else kl_div_reference
+    generator = torch.Generator().manual_seed(1)
+    student = torch.randn(tokens, vocab, generator=generator)
+    teacher = torch.randn(tokens, vocab, generator=generator)
+    logits = student.clone().requires_grad_(True)  # the input and its .grad are counted before the loss
+    logits.grad = torch.zeros_like(student)
+    with open("/proc/self/statm") as statm:
+        before = int(statm.read().split()[1]) * resource.getpagesize()
+    runs = []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        function(logits, teacher).backward()
+        runs.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    queue.put((statistics.median(runs[warmup:]), peak - before))
+
+
+def loss_cost(name: str, tokens: int, vocab: int, warmup: int, steps: int) -> tuple[float, int]:
+    """Median seconds of forward + backward, and the peak memory the loss adds, in a fresh process."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_loss_child, args=(name, tokens, vocab, warmup, steps, queue))
+    child.start()
+    result = queue.get()
+    child.join()
+    return result
+
+
 def table(results: dict) -> str:
     lines = [f"{results['setting']['model']} -> layers {results['setting']['removed'][0]}-"
              f"{results['setting']['removed'][-1]} removed, LoRA r=8; {results['setting']['batch']} x "
@@ -39,9 +87,13 @@ def table(results: dict) -> str:
         lines.append(f"| {mode} | " + " | ".join(f"{row[part]:.2f} s" for part in PARTS)
                      + f" | {row['tokens_per_second']:.0f} |")
     loss = results["loss"]
-    lines += ["", f"The loss alone on {loss['tokens']} tokens x {loss['vocab']} logits, forward + backward: fused "
-              f"soft-target form {loss['fused_seconds']:.2f} s, log_softmax + kl_div {loss['kl_div_seconds']:.2f} s "
-              f"({loss['kl_div_seconds'] / loss['fused_seconds']:.1f}x)."]
+    lines += ["", f"The loss alone on {loss['tokens']} tokens, forward + backward, in float32, and the peak memory it "
+              "adds beyond the logits and their gradient:", "",
+              "| vocabulary | chunked (prunetool) | log_softmax + kl_div |", "|---|---:|---:|"]
+    for label, size in (("", loss["vocab"]), ("_262k", 262_144)):
+        cells = [f"{loss[name + label + '_seconds']:.2f} s, {loss[name + label + '_peak_bytes'] / 2**30:.2f} GiB"
+                 for name in ("chunked", "kl_div")]
+        lines.append(f"| {size} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -55,12 +107,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import torch.nn.functional as F
 
     from prunetool.commands.heal import LORA_ALPHA_PER_RANK, lora_targets
     from prunetool.in_memory import prune_in_memory
     from prunetool.loading import load_model
-    from prunetool.repair.distill import distill_loss, kl_loss
+    from prunetool.repair.distill import distill_loss
     from prunetool.sources import resolve_model
     from provenance import write_results
     from peft import LoraConfig, get_peft_model
@@ -104,26 +155,14 @@ def main() -> None:
         print(mode, row, file=sys.stderr)
         del teacher, student, optimizer
 
-    def kl_div_reference(student_logits, teacher_logits):
-        student_log = F.log_softmax(student_logits.float(), dim=-1)
-        teacher_log = F.log_softmax(teacher_logits.float(), dim=-1)
-        return F.kl_div(student_log, teacher_log, reduction="none", log_target=True).sum(-1).mean()
-
     tokens = args.batch * (args.seq_len - 1)
-    generator = torch.Generator().manual_seed(1)
-    student_logits = torch.randn(tokens, vocab, generator=generator)
-    teacher_logits = torch.randn(tokens, vocab, generator=generator)
-    seconds = {}
-    for name, function in (("fused", kl_loss), ("kl_div", kl_div_reference)):
-        runs = []
-        for _ in range(args.warmup + args.steps):
-            logits = student_logits.clone().requires_grad_(True)
-            start = time.perf_counter()
-            function(logits, teacher_logits).backward()
-            runs.append(time.perf_counter() - start)
-        seconds[name] = statistics.median(runs[args.warmup:])
-    results["loss"] = {"tokens": tokens, "vocab": vocab, "fused_seconds": seconds["fused"],
-                       "kl_div_seconds": seconds["kl_div"]}
+    results["loss"] = {"tokens": tokens, "vocab": vocab, "steps": args.steps}
+    for label, size in (("", vocab), ("_262k", 262_144)):  # this model's vocabulary, and Gemma 3's
+        for name in ("chunked", "kl_div"):
+            seconds, peak = loss_cost(name, tokens, size, args.warmup, args.steps if not label else 1)
+            results["loss"][f"{name}{label}_seconds"] = seconds
+            results["loss"][f"{name}{label}_peak_bytes"] = peak
+    print(results["loss"], file=sys.stderr)
     write_results("heal_step", results)
 
 

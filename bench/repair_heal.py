@@ -106,6 +106,20 @@ def lr_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def reuse_base(name: str, args, layers: list[int]) -> dict | None:
+    """The base row of another cut of the same model, measured with the same tasks and limit (it does not
+    depend on the cut), so each model's base is evaluated once."""
+    for path in sorted((ROOT / "bench" / "results").glob(f"repair_heal-{args.model}-*.json")):
+        if path.stem == name:
+            continue
+        other = json.loads(path.read_text())
+        row = other["rows"][0]
+        same = (other["setting"]["limit"] == args.limit and bool(other["setting"]["tasks"]) != args.no_tasks)
+        if row["row"] == "base" and same:
+            return row | {"reused_from": path.name}
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -196,7 +210,7 @@ def main() -> None:
                                     "lora_rank": 8, "default_lr": DEFAULT_LR["lora"]},
                            "dtype": "float32", "device": "cpu", "threads": threads},
                "rows": []}
-    base = {"row": "base"} | judge(str(base_path))
+    base = reuse_base(name, args, layers) or ({"row": "base"} | judge(str(base_path)))
     results["rows"].append(base)
     write_results(name, results)
     for row in rows_wanted:

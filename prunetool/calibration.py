@@ -310,6 +310,13 @@ def self_cache_path(model_key: str, rung: int) -> Path:
     return calibration_cache_dir() / f"{safe}-self-seed{SEED}-{rung}.jsonl"
 
 
+def _cached_rungs(model_key: str) -> list[int]:
+    """Sizes of this model's generated texts already in the cache, ascending."""
+    pattern = self_cache_path(model_key, 0).name.removesuffix("0.jsonl")
+    sizes = (path.name.removeprefix(pattern).removesuffix(".jsonl") for path in calibration_cache_dir().glob(pattern + "*.jsonl"))
+    return sorted(int(size) for size in sizes if size.isdigit())
+
+
 def _rungs(needed: int) -> list[int]:
     rung = LADDER_START
     while rung < needed:
@@ -407,8 +414,11 @@ def _load_generated(tokenizer, model, model_key: str | None, req: _Request, smal
     generated = [_small_rung(req.needed)] if small else _rungs(req.needed)
     cached = sorted(set(generated) | set(_rungs(req.needed))) if small else generated
     last: CalibrationError | None = None
-    # text that must continue a given stream (holdout_from) is never generated: a new rung is other text
-    passes = ((False, cached),) if req.holdout_from is not None else ((False, cached), (True, generated))
+    # text that must continue a given stream (holdout_from) is never generated: a new rung is other text.
+    # Every cached rung is tried, smallest first: a rung holds GEN_MARGIN more than its name, so the
+    # stream prune used may be long enough for more than its nominal size (heal's training text)
+    passes = (((False, _cached_rungs(model_key)),) if req.holdout_from is not None
+              else ((False, cached), (True, generated)))
     for may_generate, rungs in passes:
         for rung in rungs:
             path = self_cache_path(model_key, rung)

@@ -66,8 +66,9 @@ def test_kl_loss_matches_a_slow_reference_with_temperature():
                 q = [v / sum(q) for v in q]
                 expected += sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
                 count += 1
-        assert float(kl_loss(student, teacher, temperature)) == pytest.approx(
-            expected / count * temperature**2, rel=1e-5)
+        for chunk in (11, 33, 10**6):  # one row per chunk, 3 rows with a ragged last chunk, everything at once
+            assert float(kl_loss(student, teacher, temperature, chunk_elements=chunk)) == pytest.approx(
+                expected / count * temperature**2, rel=1e-5)
     assert float(kl_loss(teacher, teacher, 2.0)) == pytest.approx(0.0, abs=1e-6)
 
 
@@ -75,9 +76,9 @@ def test_kl_loss_gradient_is_the_softmax_difference():
     """d/ds of T^2 KL(p_T || q_T), averaged over N tokens, is T (q_T - p_T) / N: the fused form must keep it."""
     torch.manual_seed(2)
     teacher = torch.randn(3, 4, 13) * 2
-    for temperature in (1.0, 2.0):
+    for temperature, chunk in ((1.0, 13 * 5), (2.0, 10**6)):  # chunks of 5 rows, and one chunk
         student = (torch.randn(3, 4, 13) * 2).requires_grad_(True)
-        kl_loss(student, teacher, temperature).backward()
+        kl_loss(student, teacher, temperature, chunk_elements=chunk).backward()
         expected = temperature * (torch.softmax(student.detach() / temperature, -1)
                                   - torch.softmax(teacher / temperature, -1)) / 12
         torch.testing.assert_close(student.grad, expected, rtol=1e-5, atol=1e-7)
@@ -164,7 +165,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(train, tiny_checkpoint,
         run_heal(request_for(pruned, tmp_path / "third", train=train, resume=True, lr=5e-4), console)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"])
 def test_lora_checkpoint_equals_a_hand_merge_of_the_same_adapters(arch, tiny_checkpoint, calib_file, tmp_path):
     from transformers import AutoModelForCausalLM
 
