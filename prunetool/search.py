@@ -14,9 +14,11 @@ import torch
 
 from prunetool.ranking import Selection, SelectionRequest, column, contiguous_blocks, guided_importance
 
-def _measure(req: SelectionRequest, windows: torch.Tensor, removed) -> float:
+def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None) -> float:
     """Calibration perplexity with `removed` gone (in memory); NaN counts as infinitely bad.
 
+    With an `engine` (prunetool.cut_engine) whose current cut is a subset of `removed`, only the layers
+    after the first newly removed one run; otherwise a full forward of the cut model.
     `req.measured`, when given, remembers results by the removed set, so callers that select for several
     drop counts on one model and one set of windows (the quality benchmark) measure each set once.
     """
@@ -26,12 +28,46 @@ def _measure(req: SelectionRequest, windows: torch.Tensor, removed) -> float:
     key = frozenset(removed)
     if req.measured is not None and key in req.measured:
         return req.measured[key]
-    with layers_removed(req.model, list(removed)):
-        value = perplexity(req.model, windows, batch_size=req.batch_size)
+    engine = engine.get() if engine is not None and set(engine.removed) <= key else None
+    if engine is not None:
+        value = engine.perplexity_without(key)
+    else:
+        with layers_removed(req.model, list(removed)):
+            value = perplexity(req.model, windows, batch_size=req.batch_size)
     value = math.inf if math.isnan(value) else value
     if req.measured is not None:
         req.measured[key] = value
     return value
+
+
+class _LazyEngine:
+    """A CutEngine over `windows`, built on the first measurement that the memo cannot answer (building
+    costs two plain forwards: the capture and the self-check); None inside where the model's forward
+    cannot be replayed layer by layer, and the searches then measure with full forwards."""
+
+    def __init__(self, req: SelectionRequest, windows: torch.Tensor):
+        self.req, self.windows, self.removed, self._engine, self._built = req, windows, [], None, False
+
+    def get(self):
+        if not self._built:
+            from prunetool.cut_engine import CutEngine, EngineUnsupported
+
+            self._built = True
+            try:
+                self._engine = CutEngine(self.req.model, self.windows, batch_size=self.req.batch_size)
+                self._engine.remove(self.removed)
+            except EngineUnsupported:
+                self._engine = None
+        return self._engine
+
+    def remove(self, layers: list[int]) -> None:
+        self.removed += layers
+        if self._engine is not None:
+            self._engine.remove(layers)
+
+
+def _engine(req: SelectionRequest, windows: torch.Tensor) -> _LazyEngine:
+    return _LazyEngine(req, windows)
 
 
 class _Steps:
@@ -47,7 +83,7 @@ class _Steps:
 
 
 def _greedy_removal(req: SelectionRequest, windows: torch.Tensor, shortlist: Callable[[list[int], list[int]], list[int]],
-                    step: _Steps) -> tuple[list[int], list[float | None], float]:
+                    step: _Steps, engine=None) -> tuple[list[int], list[float | None], float]:
     """N rounds: each measures calibration perplexity with every shortlisted layer removed on top of those
     already chosen, and removes the lowest for good (ties: lower index).
 
@@ -59,13 +95,15 @@ def _greedy_removal(req: SelectionRequest, windows: torch.Tensor, shortlist: Cal
     for _ in range(req.count):
         trial = {}
         for layer in shortlist(remaining, removed):
-            trial[layer] = _measure(req, windows, removed + [layer])
+            trial[layer] = _measure(req, windows, removed + [layer], engine)
             step()
         best = min(trial, key=lambda i: (trial[i], i))
         first = first or [trial.get(i) for i in range(req.num_layers)]
         removed.append(best)
         last = trial[best]
         remaining = [i for i in remaining if i != best]
+        if engine is not None and len(removed) < req.count:
+            engine.remove([best])
     return removed, first, last
 
 
@@ -79,7 +117,8 @@ def select_ppl(req: SelectionRequest) -> Selection:
     set (baselines note), so the windows used are recorded in the plan.
     """
     step = _Steps(req, sum(len(req.candidates) - k for k in range(req.count)))
-    removed, first, _ = _greedy_removal(req, req.windows, lambda remaining, _: remaining, step)
+    removed, first, _ = _greedy_removal(req, req.windows, lambda remaining, _: remaining, step,
+                                        _engine(req, req.windows))
     return Selection(tuple(removed), first, {"greedy_order": removed})
 
 
@@ -105,11 +144,15 @@ def select_guided(req: SelectionRequest) -> Selection:
     def shortlist(remaining: list[int], _removed: list[int]) -> list[int]:
         return sorted(remaining, key=lambda i: (values[i], i))[:size]
 
-    order, _, greedy_ppl = _greedy_removal(req, windows, shortlist, step)
+    engine = _engine(req, windows)
+    block_ppl = {}
+    for block in blocks:  # before the greedy path moves the engine's cut away from the uncut model
+        block_ppl[block] = _measure(req, windows, block, engine)
+    order, _, greedy_ppl = _greedy_removal(req, windows, shortlist, step, engine)
     proposals = {tuple(sorted(order)): ("greedy", greedy_ppl)}
     for block in blocks:
         if block not in proposals:
-            proposals[block] = ("block", _measure(req, windows, block))
+            proposals[block] = ("block", block_ppl[block])
         step()
     chosen = min(proposals, key=lambda c: (proposals[c][1], c))
     extra = {"greedy_order": order, "refine_windows": int(windows.shape[0]), "chosen_from": proposals[chosen][0],

@@ -412,14 +412,23 @@ def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monke
     model = _load(tiny_checkpoint, "mistral")
     windows = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(2))
     scores = _scores(qsim=[0.2, 0.9, 0.8, 0.1, 0.6, 0.3], bi=[0.9, 0.1, 0.2, 0.5, 0.3, 0.7])
-    calls = []
-    real = perplexity_module.perplexity
+    from prunetool import cut_engine
+
+    calls, built = [], []
+    real, engine_measure, engine_init = (perplexity_module.perplexity, cut_engine.CutEngine.perplexity_without,
+                                         cut_engine.CutEngine.__init__)
     monkeypatch.setattr(perplexity_module, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cut_engine, "perplexity", perplexity_module.perplexity)
+    monkeypatch.setattr(cut_engine.CutEngine, "perplexity_without",
+                        lambda self, *a, **k: calls.append(1) or engine_measure(self, *a, **k))
+    monkeypatch.setattr(cut_engine.CutEngine, "__init__",
+                        lambda self, *a, **k: built.append(1) or engine_init(self, *a, **k))
     memo: dict = {}
     first = select_guided(SelectionRequest(6, 2, scores, model=model, windows=windows, measured=memo))
     measured = len(calls)
+    assert built == [1] and measured == len(memo) + 2  # + the engine's self-check: a plain forward and its own
     again = select_guided(SelectionRequest(6, 2, scores, model=model, windows=windows, measured=memo))
-    assert again.removed == first.removed and len(calls) == measured == len(memo)
+    assert again.removed == first.removed and len(calls) == measured and built == [1]  # all from the memo
 
 
 @pytest.mark.parametrize("option, value, flag", [("shortlist", 0, "--shortlist"), ("refine_windows", 0, "--refine-windows"),

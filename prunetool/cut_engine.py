@@ -1,0 +1,144 @@
+"""Perplexity of candidate cuts from cached layer-boundary hidden states (the searches' measuring engine).
+
+A greedy search (SLEB) measures, round after round, the current cut plus one more layer. A full forward
+per candidate repeats the layers before that layer, which every candidate of the round shares. The engine
+keeps the input of every layer for the current cut, for every measurement window, so a candidate that
+also removes layer j runs only the kept layers after j, then the final norm and the head. Committing a
+removal recomputes only the boundaries after it.
+
+Exactness: each layer is called with the keyword arguments the decoder itself passed it (mask, position
+embeddings, ...), captured once by pre-hooks on a plain forward. Removing layers in memory keeps every
+survivor's own attention type (in_memory.config_edits), so a survivor sees the same arguments in any cut;
+the tail is perplexity's own (decoder norm, then _head_nll_sum). A self-check at construction compares
+the engine's uncut perplexity with a plain forward and refuses (EngineUnsupported) when they differ.
+
+Memory: (L + 1) x W x T x d activations in the model's dtype (SmolLM2-135M, 16 x 512 windows: 0.6 GB in
+float32), plus one set of captured arguments per batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from prunetool.architecture import TESTED, decoder_of
+from prunetool.perplexity import _head_nll_sum, perplexity
+
+SELF_CHECK_RTOL = 1e-5
+
+
+class EngineUnsupported(Exception):
+    """The engine cannot reproduce this model's forward; callers fall back to full forwards."""
+
+
+def _layer_output(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+class CutEngine:
+    """Calibration perplexity of `current cut + extra layers`, reusing the shared prefix of every candidate."""
+
+    def __init__(self, model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1, self_check: bool = True):
+        if model.config.model_type not in TESTED:
+            raise EngineUnsupported(f"no layer-by-layer path for model type {model.config.model_type!r}")
+        self.model, self.batch_size = model, max(1, batch_size)
+        self.decoder = decoder_of(model)
+        self.layers = list(self.decoder.layers)
+        self.device = next(model.parameters()).device
+        self.batches = [windows[start:start + self.batch_size].to(self.device, torch.long)
+                        for start in range(0, windows.shape[0], self.batch_size)]
+        self.tokens = windows.shape[0] * (windows.shape[1] - 1)
+        self.removed: tuple[int, ...] = ()
+        self.kwargs: list[list[dict]] = []  # [batch][layer] -> the decoder's keyword arguments to that layer
+        self.states: list[list[torch.Tensor]] = []  # [batch][boundary] -> input of layer `boundary` (L: output)
+        for batch in self.batches:
+            arguments, inputs = self._capture(batch)
+            self.kwargs.append(arguments)
+            self.states.append(inputs)
+        if self_check:
+            plain = perplexity(model, windows, batch_size=self.batch_size)
+            mine = self.perplexity_without(())
+            if not math.isclose(mine, plain, rel_tol=SELF_CHECK_RTOL):
+                raise EngineUnsupported(f"layer-by-layer perplexity {mine!r} differs from the model's {plain!r}")
+
+    def _capture(self, batch: torch.Tensor) -> tuple[list[dict], list[torch.Tensor]]:
+        """One plain forward with a pre-hook on every layer: what it was given, and the final output."""
+        arguments: list[dict | None] = [None] * len(self.layers)
+        inputs: list[torch.Tensor | None] = [None] * (len(self.layers) + 1)
+
+        def hook_for(index: int):
+            def hook(module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                inputs[index] = hidden.detach()
+                arguments[index] = {key: value for key, value in kwargs.items() if key != "hidden_states"}
+            return hook
+
+        def keep_output(module, args, kwargs, output):
+            inputs[-1] = _layer_output(output).detach()
+
+        handles = [layer.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, layer in enumerate(self.layers)]
+        handles.append(self.layers[-1].register_forward_hook(keep_output, with_kwargs=True))
+        try:
+            with torch.inference_mode():
+                self.decoder(input_ids=batch, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return arguments, inputs
+
+    def _run(self, batch: int, start: int, skip: set[int]) -> torch.Tensor:
+        """The output of the last layer, starting from the cached input of layer `start`, skipping `skip`."""
+        hidden = self.states[batch][start]
+        for index in range(start, len(self.layers)):
+            if index not in skip:
+                hidden = _layer_output(self.layers[index](hidden, **self.kwargs[batch][index]))
+        return hidden
+
+    def _nll(self, batch: int, last: torch.Tensor) -> float:
+        hidden = self.decoder.norm(last)[:, :-1]
+        targets = self.batches[batch][:, 1:].reshape(-1)
+        return _head_nll_sum(self.model, hidden.reshape(-1, hidden.shape[-1]), targets)
+
+    def perplexity_without(self, extra: Iterable[int], batches: Sequence[int] | None = None) -> float:
+        """Perplexity with the current cut and `extra` removed, over all batches or the given ones."""
+        extra = set(extra) - set(self.removed)
+        skip = set(self.removed) | extra
+        if len(skip) >= len(self.layers):
+            return math.inf
+        start = min(extra) if extra else len(self.layers)
+        chosen = range(len(self.batches)) if batches is None else batches
+        total, tokens = 0.0, 0
+        with torch.inference_mode():
+            for batch in chosen:
+                total += self._nll(batch, self._run(batch, start, skip))
+                tokens += self.batches[batch].shape[0] * (self.batches[batch].shape[1] - 1)
+        mean = total / tokens
+        if math.isnan(mean):
+            return math.inf
+        return math.exp(mean) if mean < math.log(torch.finfo(torch.float64).max) else math.inf
+
+    def remove(self, layers: Iterable[int]) -> None:
+        """Commit `layers` to the current cut and recompute the boundaries after the first of them."""
+        new = sorted(set(layers) - set(self.removed))
+        if not new:
+            return
+        self.removed = tuple(sorted(set(self.removed) | set(new)))
+        skip = set(self.removed)
+        with torch.inference_mode():
+            for batch, states in enumerate(self.states):
+                hidden = states[new[0]]
+                for index in range(new[0], len(self.layers)):
+                    if index not in skip:
+                        hidden = _layer_output(self.layers[index](hidden, **self.kwargs[batch][index])).detach()
+                    states[index + 1] = hidden
+
+    def layer_forwards(self, extra: Iterable[int]) -> int:
+        """Layers one batch runs for this candidate (the cost a full forward would pay is L - |cut|)."""
+        extra = set(extra) - set(self.removed)
+        if not extra:
+            return 0
+        skip = set(self.removed) | extra
+        return sum(1 for index in range(min(extra), len(self.layers)) if index not in skip)

@@ -1,0 +1,45 @@
+"""The cut engine's perplexities equal a plain full forward of the same cut, on every tiny architecture."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from prunetool.cut_engine import CutEngine
+from prunetool.in_memory import layers_removed
+from prunetool.perplexity import perplexity
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+
+
+def plain(model, windows, removed, batch_size):
+    with layers_removed(model, sorted(removed)):
+        return perplexity(model, windows, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_equals_a_full_forward_of_the_same_cut(arch, dtype, rtol, tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=dtype).eval()
+    windows = torch.randint(model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    engine = CutEngine(model, windows, batch_size=2)
+    for extra in ([0], [2], [5], [1, 2], [3, 5]):
+        assert engine.perplexity_without(extra) == pytest.approx(plain(model, windows, extra, 2), rel=rtol), extra
+    engine.remove([2])
+    engine.remove([4])
+    for extra in ([], [0], [3], [5]):
+        expected = plain(model, windows, {2, 4, *extra}, 2)
+        assert engine.perplexity_without(extra) == pytest.approx(expected, rel=rtol), extra
+    # a subset of batches: the perplexity of those windows alone
+    assert engine.perplexity_without([1], batches=[1]) == pytest.approx(plain(model, windows[2:], {1, 2, 4}, 2),
+                                                                          rel=rtol)
+
+
+def test_engine_runs_only_the_layers_after_the_candidate(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32).eval()
+    engine = CutEngine(model, torch.randint(100, (2, 8)), self_check=False)
+    assert engine.layer_forwards([5]) == 0 and engine.layer_forwards([0]) == 5
+    engine.remove([3])
+    assert engine.layer_forwards([1]) == 3 and engine.layer_forwards([3]) == 0
+    assert math.isinf(engine.perplexity_without([0, 1, 2, 4, 5]))
