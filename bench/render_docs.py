@@ -129,6 +129,8 @@ REGIONS: dict[str, Region] = {
     "repair-tokens": Region("bench/repair.py", ("repair_tokens.json",), repair_table),
     "repair-heal-lr": Region("bench/repair_heal.py", ("repair_heal_lr.json",),
                              lambda r: stamp(r) + "\n\n" + importlib.import_module("repair_heal").lr_table(r)),
+    "repair-heal-smollm2-6": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6.json",),
+                                    stamped("repair_heal")),
     "score-overhead": Region("bench/score_overhead.py", ("score_overhead.json",), stamped("score_overhead")),
     "prune-write": Region("bench/prune_write.py", ("prune_write.json",), stamped("prune_write")),
     "quality": Region("bench/quality.py", ("quality.json",), lambda r: importlib.import_module("quality").report_markdown(r)),

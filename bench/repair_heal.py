@@ -60,6 +60,15 @@ def accuracy_of(report: dict) -> dict[str, float]:
     return {task: results[task]["acc,none"] for task in TASKS.split(",") if task in results}
 
 
+def label_of(row: str) -> str:
+    """`patch+heal@100k` -> `patch + heal (KL), 100k tokens`."""
+    if row in ("base", "plain", "patch"):
+        return {"base": "base", "plain": "plain cut", "patch": "`--patch`"}[row]
+    match = ROW.match(row)
+    what = {"heal": "heal (KL)", "ce": "CE-only LoRA"}[match["mode"]]
+    return f"{'patch + ' if match['patch'] else ''}{what}{'' if match['patch'] else ' alone'}, {match['tokens']} tokens"
+
+
 def cost_of(row: dict) -> str:
     if "tokens_per_second" in row:
         return f"heal {row['heal_seconds'] / 60:.1f} min, {row['tokens_per_second']:.0f} tok/s"
@@ -83,7 +92,8 @@ def table(results: dict) -> str:
              "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = rows[0]["wikitext2_perplexity"]
     for row in rows:
-        cells = [row["row"] if "lr" not in row or row["lr"] == heal["default_lr"] else f"{row['row']} (lr {row['lr']:g})",
+        label = label_of(row["row"])
+        cells = [label if "lr" not in row or row["lr"] == heal["default_lr"] else f"{label} (lr {row['lr']:g})",
                  f"{row['wikitext2_perplexity']:.2f}", f"{row['wikitext2_perplexity'] / base:.2f}",
                  f"{100 * row['gap_recovered']:.1f}%" if "gap_recovered" in row else ""]
         if tasks:

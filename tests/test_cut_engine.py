@@ -43,3 +43,20 @@ def test_engine_runs_only_the_layers_after_the_candidate(tiny_checkpoint):
     engine.remove([3])
     assert engine.layer_forwards([1]) == 3 and engine.layer_forwards([3]) == 0
     assert math.isinf(engine.perplexity_without([0, 1, 2, 4, 5]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias,cut", [("smollm2-135m", (13, 14, 21)), ("gemma3-270m", (8, 9, 14))])
+def test_engine_equals_full_forwards_on_the_real_models(alias, cut, shared_data):
+    """Real text (WikiText-2 windows), both demo models, float32: engine = plain forward of the same cut."""
+    from prunetool.calibration import load_calibration
+    from prunetool.loading import load_model
+    from prunetool.sources import resolve_model
+
+    model, tokenizer = load_model(resolve_model(alias), dtype="float32", device="cpu")
+    windows = load_calibration(str(shared_data / "wikitext2-test.raw"), tokenizer, seq_len=128, samples=2).input_ids
+    engine = CutEngine(model, windows)
+    for extra in ([cut[0]], [cut[2]], list(cut[:2])):
+        assert engine.perplexity_without(extra) == pytest.approx(plain(model, windows, extra, 1), rel=1e-5), extra
+    engine.remove([cut[0]])
+    assert engine.perplexity_without([cut[1]]) == pytest.approx(plain(model, windows, cut[:2], 1), rel=1e-5)
