@@ -131,6 +131,8 @@ REGIONS: dict[str, Region] = {
                              lambda r: stamp(r) + "\n\n" + importlib.import_module("repair_heal").lr_table(r)),
     "repair-heal-smollm2-6": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6.json",),
                                     stamped("repair_heal")),
+    "repair-heal-goals": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6.json",),
+                                lambda r: importlib.import_module("repair_heal").goals(r)),
     "score-overhead": Region("bench/score_overhead.py", ("score_overhead.json",), stamped("score_overhead")),
     "prune-write": Region("bench/prune_write.py", ("prune_write.json",), stamped("prune_write")),
     "quality": Region("bench/quality.py", ("quality.json",), lambda r: importlib.import_module("quality").report_markdown(r)),

@@ -106,6 +106,51 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def goals(results: dict) -> str:
+    """Issue 13's goals for SmolLM2 -6, each checked against this file's rows: met, or missed by how much."""
+    rows = {row["row"]: row for row in results["rows"]}
+    base = rows["base"]
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**missed**"
+
+    lines = []
+    if "patch" in rows and "plain" in rows:
+        patch, plain = rows["patch"], rows["plain"]
+        lines.append(f"- `--patch` recovers at least 25% of the log-perplexity gap: {100 * patch['gap_recovered']:.1f}% "
+                     f"({verdict(patch['gap_recovered'] >= 0.25)}); and does not lower mean accuracy: "
+                     f"{plain['mean_accuracy']:.3f} -> {patch['mean_accuracy']:.3f} "
+                     f"({verdict(patch['mean_accuracy'] >= plain['mean_accuracy'])}).")
+    long = rows.get("patch+heal@1m")
+    if long is None:
+        lines.append("- patch + heal at 1M tokens within 1.3x of the base's perplexity, with at least 60% of the lost "
+                     "mean accuracy recovered: **not measured** in this file.")
+    else:
+        ratio = long["wikitext2_perplexity"] / base["wikitext2_perplexity"]
+        recovered = long.get("accuracy_recovered") or 0.0
+        lines.append(f"- patch + heal at 1M tokens within 1.3x of the base: {ratio:.2f}x ({verdict(ratio <= 1.3)}"
+                     + ("" if ratio <= 1.3 else f" by {ratio - 1.3:.2f}x") + f"); at least 60% of the lost mean accuracy "
+                     f"recovered: {100 * recovered:.0f}% ({verdict(recovered >= 0.6)}).")
+    short = rows.get("patch+heal@100k")
+    if short is not None:
+        ratio = short["wikitext2_perplexity"] / base["wikitext2_perplexity"]
+        lines.append(f"- patch + heal at 100k tokens beats the naive floor of 1.58x the base: {ratio:.2f}x "
+                     f"({verdict(ratio < 1.58)}).")
+    pairs = [(name, name.replace("heal@", "ce@")) for name in rows if "heal@" in name and name.replace("heal@", "ce@") in rows]
+    for kl, ce in pairs:
+        a, b = rows[kl], rows[ce]
+        ok = a["wikitext2_perplexity"] < b["wikitext2_perplexity"] and a.get("mean_accuracy", 0) >= b.get("mean_accuracy", 0)
+        lines.append(f"- distillation beats cross-entropy LoRA at equal tokens ({label_of(kl)} against {label_of(ce)}): "
+                     f"WikiText-2 {a['wikitext2_perplexity']:.2f} against {b['wikitext2_perplexity']:.2f}, mean accuracy "
+                     f"{a.get('mean_accuracy', float('nan')):.3f} against {b.get('mean_accuracy', float('nan')):.3f} "
+                     f"({verdict(ok)}).")
+    speeds = [f"{label_of(name)} {row['tokens_per_second']:.0f}" for name, row in rows.items() if "tokens_per_second" in row]
+    if speeds:
+        lines.append(f"- heal throughput on this CPU (tokens/s, {results['setting']['heal']['dtype']} autocast, 2 threads): "
+                     + "; ".join(speeds) + ".")
+    return "\n".join(lines)
+
+
 def lr_table(results: dict) -> str:
     """The learning-rate choice: judged on prune's C4 held-out windows (WikiText-2 shown, not used)."""
     lines = ["| row | C4 held-out ppl before | after | WikiText-2 ppl | heal tok/s |", "|---|---:|---:|---:|---:|"]
