@@ -261,11 +261,11 @@ def prune(
     remove_layers: Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
                              "original indices, e.g. 3,7,12.")] = None,
     old_layers: OldLayersOpt = None,
-    criterion: Annotated[str, typer.Option("--criterion", help="guided (default), qsim, tappa, bi, angular, last or ppl (docs/pruning.md).")] = "guided",
+    criterion: Annotated[str, typer.Option("--criterion", help="guided (default), qsim, tappa, bi, angular, last, ppl or halving (docs/pruning.md).")] = "guided",
     beta: Annotated[Optional[float], typer.Option("--beta", help="tappa and guided: weight on (1 - q-similarity), default 0.3.")] = None,
-    shortlist: Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round.")] = 4,
-    refine_windows: Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity measurement.")] = 4,
-    blocks: Annotated[int, typer.Option("--blocks", help="guided: contiguous blocks measured beside the greedy path.")] = 3,
+    shortlist: Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round; halving: screened layers confirmed on all windows per round.")] = 4,
+    refine_windows: Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity measurement; halving: windows a screening uses.")] = 4,
+    blocks: Annotated[int, typer.Option("--blocks", help="guided and halving: contiguous blocks measured beside the greedy path.")] = 3,
     scores: Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score --output-file`; "
                       "its recorded calibration is used.")] = None,
     calib: CalibOpt = None,

@@ -122,15 +122,21 @@ class CutEngine:
 
     def remove(self, layers: Iterable[int]) -> None:
         """Commit `layers` to the current cut and recompute the boundaries after the first of them."""
-        new = sorted(set(layers) - set(self.removed))
-        if not new:
+        self.set_cut(set(self.removed) | set(layers))
+
+    def set_cut(self, layers: Iterable[int]) -> None:
+        """Make `layers` the current cut (any set): boundaries up to the first changed layer are kept."""
+        wanted = tuple(sorted(set(layers)))
+        changed = set(wanted) ^ set(self.removed)
+        if not changed:
             return
-        self.removed = tuple(sorted(set(self.removed) | set(new)))
-        skip = set(self.removed)
+        first = min(changed)
+        self.removed = wanted
+        skip = set(wanted)
         with torch.inference_mode():
             for batch, states in enumerate(self.states):
-                hidden = states[new[0]]
-                for index in range(new[0], len(self.layers)):
+                hidden = states[first]
+                for index in range(first, len(self.layers)):
                     if index not in skip:
                         hidden = _layer_output(self.layers[index](hidden, **self.kwargs[batch][index])).detach()
                     states[index + 1] = hidden

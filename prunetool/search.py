@@ -17,8 +17,8 @@ from prunetool.ranking import Selection, SelectionRequest, column, contiguous_bl
 def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None) -> float:
     """Calibration perplexity with `removed` gone (in memory); NaN counts as infinitely bad.
 
-    With an `engine` (prunetool.cut_engine) whose current cut is a subset of `removed`, only the layers
-    after the first newly removed one run; otherwise a full forward of the cut model.
+    With an `engine` (prunetool.cut_engine), only the layers after the first layer that differs from its
+    current cut run; without one (an architecture it cannot replay), a full forward of the cut model.
     `req.measured`, when given, remembers results by the removed set, so callers that select for several
     drop counts on one model and one set of windows (the quality benchmark) measure each set once.
     """
@@ -28,8 +28,10 @@ def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None)
     key = frozenset(removed)
     if req.measured is not None and key in req.measured:
         return req.measured[key]
-    engine = engine.get() if engine is not None and set(engine.removed) <= key else None
+    engine = engine.get() if engine is not None else None
     if engine is not None:
+        if not set(engine.removed) <= key:  # another branch of the search: move the cut, keep the shared prefix
+            engine.set_cut(key)
         value = engine.perplexity_without(key)
     else:
         with layers_removed(req.model, list(removed)):
@@ -64,6 +66,7 @@ class _LazyEngine:
         self.removed += layers
         if self._engine is not None:
             self._engine.remove(layers)
+
 
 
 def _engine(req: SelectionRequest, windows: torch.Tensor) -> _LazyEngine:
@@ -158,3 +161,86 @@ def select_guided(req: SelectionRequest) -> Selection:
     extra = {"greedy_order": order, "refine_windows": int(windows.shape[0]), "chosen_from": proposals[chosen][0],
              "proposals": [{"removed": list(c), "kind": k, "perplexity": v} for c, (k, v) in proposals.items()]}
     return Selection(chosen, values, extra)
+
+
+def _screen(req: SelectionRequest, holder: _LazyEngine, base: list[int], extras: list[tuple[int, ...]],
+            screen_windows: int) -> dict[tuple[int, ...], float]:
+    """Perplexity of `base + extra` for every extra, on the first `screen_windows` windows only."""
+    from prunetool.in_memory import layers_removed
+    from prunetool.perplexity import perplexity
+
+    engine = holder.get()
+    values = {}
+    if engine is not None:
+        engine.set_cut(base)
+        batches = range(math.ceil(screen_windows / engine.batch_size))
+        for extra in extras:
+            values[extra] = engine.perplexity_without(extra, batches=batches)
+    else:
+        for extra in extras:
+            with layers_removed(req.model, sorted({*base, *extra})):
+                values[extra] = perplexity(req.model, req.windows[:screen_windows], batch_size=req.batch_size)
+    return {extra: math.inf if math.isnan(value) else value for extra, value in values.items()}
+
+
+def select_halving(req: SelectionRequest) -> Selection:
+    """SLEB's greedy search made cheap by successive halving, plus contiguous blocks and a local swap.
+
+    Each of the N rounds screens every remaining candidate on the first `refine_windows` windows and
+    measures only the best `shortlist` on all of them; the lowest goes for good. Beside that greedy path,
+    every contiguous run of N layers is screened the same way and the best `blocks` measured. The best
+    proposal is then refined: a removed layer is swapped for a kept neighbour while that lowers the
+    perplexity on all windows. All measurements go through the cut engine (prunetool.cut_engine).
+    Values: round one's screening perplexity per layer (None for protected layers).
+    """
+    holder = _LazyEngine(req, req.windows)
+    screen_windows = max(1, min(req.refine_windows, req.windows.shape[0]))
+    keep = max(1, req.shortlist)
+    step = _Steps(req, req.count * (len(req.candidates) + keep) + 2 * req.blocks + 4 * req.count)
+    removed: list[int] = []
+    first: list[float | None] | None = None
+    for _ in range(req.count):
+        remaining = [i for i in req.candidates if i not in removed]
+        screened = {extra[0]: value for extra, value in
+                    _screen(req, holder, removed, [(i,) for i in remaining], screen_windows).items()}
+        for _ in remaining:
+            step()
+        first = first or [screened.get(i) for i in range(req.num_layers)]
+        confirmed = {}
+        for layer in sorted(screened, key=lambda i: (screened[i], i))[:keep]:
+            confirmed[layer] = _measure(req, req.windows, removed + [layer], holder)
+            step()
+        best = min(confirmed, key=lambda i: (confirmed[i], i))
+        removed.append(best)
+        greedy_ppl = confirmed[best]
+    proposals = {tuple(sorted(removed)): ("greedy", greedy_ppl)}
+    starts = range(req.protect_first, req.block_end - req.count + 1)
+    if req.blocks > 0 and len(starts) > 0:
+        blocks = [tuple(range(start, start + req.count)) for start in starts]
+        screened_blocks = _screen(req, holder, [], blocks, screen_windows)  # each block is its own cut
+        for block in sorted(screened_blocks, key=lambda b: (screened_blocks[b], b))[:req.blocks]:
+            if block not in proposals:
+                proposals[block] = ("block", _measure(req, req.windows, block, holder))
+            step()
+    chosen = min(proposals, key=lambda c: (proposals[c][1], c))
+    best_ppl, swaps = proposals[chosen][1], []
+    improved = True
+    while improved:  # first improvement, until no swap of a removed layer for a kept neighbour helps
+        improved = False
+        for layer in chosen:
+            for neighbour in (layer - 1, layer + 1):
+                if neighbour in chosen or neighbour not in req.candidates:
+                    continue
+                trial = tuple(sorted((set(chosen) - {layer}) | {neighbour}))
+                value = _measure(req, req.windows, trial, holder)
+                step()
+                if value < best_ppl:
+                    swaps.append({"out": layer, "in": neighbour, "perplexity": value})
+                    chosen, best_ppl, improved = trial, value, True
+                    break
+            if improved:
+                break
+    extra = {"greedy_order": removed, "screen_windows": screen_windows, "chosen_from": proposals.get(chosen, ("swap",))[0],
+             "proposals": [{"removed": list(c), "kind": k, "perplexity": v} for c, (k, v) in proposals.items()],
+             "swaps": swaps, "perplexity": best_ppl}
+    return Selection(chosen, first, extra)

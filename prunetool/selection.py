@@ -17,7 +17,7 @@ from prunetool.errors import OptionError
 from prunetool.plan import PrunePlan
 from prunetool.ranking import (GUIDED_BETA, GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, TAPPA_BETA, Selection,
                                SelectionRequest, select_angular, select_bi, select_last, select_qsim, select_tappa)
-from prunetool.search import select_guided, select_ppl
+from prunetool.search import select_guided, select_halving, select_ppl
 
 if TYPE_CHECKING:
     from prunetool.calibration import CalibrationSet
@@ -44,6 +44,9 @@ CRITERIA: dict[str, Criterion] = {
     "last": Criterion(select_last, "nothing", "the N layers just before the final one", contiguous=True),
     "ppl": Criterion(select_ppl, "model", "SLEB-style greedy: remove the layer that hurts calibration perplexity least, N times",
                      ("batch_size",)),
+    "halving": Criterion(select_halving, "model", "SLEB's greedy with successive halving (screen on few windows, confirm "
+                         "the best on all), contiguous blocks and neighbour swaps", ("shortlist", "refine_windows", "blocks",
+                                                                                "batch_size")),
 }
 
 

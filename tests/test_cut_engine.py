@@ -31,6 +31,11 @@ def test_engine_equals_a_full_forward_of_the_same_cut(arch, dtype, rtol, tiny_ch
     for extra in ([], [0], [3], [5]):
         expected = plain(model, windows, {2, 4, *extra}, 2)
         assert engine.perplexity_without(extra) == pytest.approx(expected, rel=rtol), extra
+    engine.set_cut([1, 5])  # any set: back before the old cut, then on
+    for extra in ([], [2], [0, 3]):
+        expected = plain(model, windows, {1, 5, *extra}, 2)
+        assert engine.perplexity_without(extra) == pytest.approx(expected, rel=rtol), extra
+    engine.set_cut([2, 4])
     # a subset of batches: the perplexity of those windows alone
     assert engine.perplexity_without([1], batches=[1]) == pytest.approx(plain(model, windows[2:], {1, 2, 4}, 2),
                                                                           rel=rtol)

@@ -113,7 +113,7 @@ def test_last_is_the_block_before_the_final_layer():
     (dict(count=6), "below the number of layers"),
     (dict(count=3, protect_first=2, protect_last=2), "more than the 2 unprotected layers"),
     (dict(count=1, protect_first=3, protect_last=3), "more than the 0 unprotected"),
-    (dict(criterion="nope"), "guided, qsim, tappa, bi, angular, last, ppl"),
+    (dict(criterion="nope"), "guided, qsim, tappa, bi, angular, last, ppl, halving"),
     (dict(beta=-0.1), "--beta"),
     (dict(beta=float("nan")), "--beta"),
     (dict(protect_first=-1), "--protect-first"),
@@ -144,7 +144,7 @@ def test_make_plan_records_how_layers_were_chosen():
 
 
 def test_registry_is_complete():
-    assert list(CRITERIA) == ["guided", "qsim", "tappa", "bi", "angular", "last", "ppl"]
+    assert list(CRITERIA) == ["guided", "qsim", "tappa", "bi", "angular", "last", "ppl", "halving"]
 
 
 # ---------------------------------------------------------------- --layers
@@ -436,3 +436,22 @@ def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monke
 def test_guided_options_are_checked(option, value, flag):
     with pytest.raises(OptionError, match=flag):
         validate_selection("guided", 2, 6, **{option: value})
+
+
+def test_halving_matches_sleb_when_it_confirms_every_candidate_and_measures_what_it_reports(tiny_checkpoint):
+    """With shortlist >= the candidates, halving's greedy path is SLEB's; every reported perplexity is real."""
+    from prunetool.in_memory import layers_removed
+    from prunetool.ranking import SelectionRequest
+    from prunetool.search import select_halving, select_ppl
+
+    model = _load(tiny_checkpoint, "gemma3_text")
+    windows = torch.randint(0, 300, (4, 12), generator=torch.Generator().manual_seed(3))
+    sleb = select_ppl(SelectionRequest(6, 2, model=model, windows=windows))
+    wide = select_halving(SelectionRequest(6, 2, model=model, windows=windows, shortlist=6, refine_windows=1, blocks=0))
+    assert wide.extra["greedy_order"] == list(sleb.extra["greedy_order"])
+    narrow = select_halving(SelectionRequest(6, 3, model=model, windows=windows, shortlist=1, refine_windows=2, blocks=2))
+    for proposal in narrow.extra["proposals"] + [{"removed": list(narrow.removed), "perplexity": narrow.extra["perplexity"]}]:
+        with layers_removed(model, proposal["removed"]):
+            assert proposal["perplexity"] == pytest.approx(perplexity_module.perplexity(model, windows), rel=1e-5)
+    assert narrow.extra["perplexity"] <= min(p["perplexity"] for p in narrow.extra["proposals"])
+    assert [p["kind"] for p in narrow.extra["proposals"]].count("block") >= 1
