@@ -310,4 +310,5 @@ def test_heal_in_bfloat16_trains_under_autocast_and_verifies_in_bfloat16(pruned_
     heal = report["heal"]
     assert heal["loss_summary"]["mean_last_10pct"] < 0.8 * heal["loss_summary"]["first"]
     assert heal["perplexity"]["after_dtype"] == "bfloat16" and heal["perplexity"]["after"] < heal["perplexity"]["before"]
-    assert report["verification"]["dtype"] == "bfloat16"
+    assert report["verification"]["dtype"] == "bfloat16" and heal["compute"] == "float32 weights under bfloat16 autocast"
+    assert "--dtype bfloat16" in heal["command"]

@@ -356,6 +356,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
             "batch_size": request.batch_size, "grad_accum": request.grad_accum, "lr": lr,
             "schedule": f"linear warmup over {config.warmup} steps, then cosine decay to 0", "optimizer": "AdamW",
             "grad_clip": config.clip, "temperature": request.temperature, "ce_weight": request.ce_weight,
+            "compute": "float32 weights under bfloat16 autocast" if config.autocast_bf16 else "float32",
             "loss": "(1 - ce_weight) * T^2 * KL(teacher || student) + ce_weight * CE", "seed": request.seed,
             "data": data, "seconds": round(result.seconds, 3),
             "tokens_per_second": round((steps - (result.resumed_from or 0)) * per_step * request.seq_len
@@ -396,4 +397,6 @@ def heal_command(request: HealRequest, folder: Path) -> str:
         parts += ["--lr", f"{request.lr:g}"]
     if request.calib is not None:
         parts += ["--calib", request.calib]
+    if request.dtype != "auto":
+        parts += ["--dtype", request.dtype]
     return " ".join(parts)
