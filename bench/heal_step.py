@@ -40,7 +40,6 @@ def kl_div_reference(student_logits, teacher_logits):
 
 
 def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, queue) -> None:
-    import resource
     import statistics
 
     import torch
@@ -53,14 +52,17 @@ def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, que
     teacher = torch.randn(tokens, vocab, generator=generator)
     logits = student.clone().requires_grad_(True)  # the input and its .grad are counted before the loss
     logits.grad = torch.zeros_like(student)
-    with open("/proc/self/statm") as statm:
-        before = int(statm.read().split()[1]) * resource.getpagesize()
+    def high_water() -> int:  # VmHWM belongs to this process's address space (ru_maxrss survives exec)
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+    before = high_water()
     runs = []
     for _ in range(warmup + steps):
         start = time.perf_counter()
         function(logits, teacher).backward()
         runs.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = high_water()
     queue.put((statistics.median(runs[warmup:]), peak - before))
 
 
@@ -78,7 +80,9 @@ def loss_cost(name: str, tokens: int, vocab: int, warmup: int, steps: int) -> tu
 
 
 def table(results: dict) -> str:
-    lines = [f"{results['setting']['model']} -> layers {results['setting']['removed'][0]}-"
+    earlier = results.get("steps_measured_by")
+    lines = ([f"Step rows measured by `{earlier}` on the same machine; the loss rows by the command above.", ""]
+             if earlier else []) + [f"{results['setting']['model']} -> layers {results['setting']['removed'][0]}-"
              f"{results['setting']['removed'][-1]} removed, LoRA r=8; {results['setting']['batch']} x "
              f"{results['setting']['seq_len']} tokens per step; median of {results['setting']['steps']} steps "
              f"after {results['setting']['warmup']} warm-up, {results['setting']['threads']} threads.", "",
@@ -88,7 +92,7 @@ def table(results: dict) -> str:
                      + f" | {row['tokens_per_second']:.0f} |")
     loss = results["loss"]
     lines += ["", f"The loss alone on {loss['tokens']} tokens, forward + backward, in float32, and the peak memory it "
-              "adds beyond the logits and their gradient:", "",
+              "and its backward add (the logits and a preallocated .grad excluded):", "",
               "| vocabulary | chunked (prunetool) | log_softmax + kl_div |", "|---|---:|---:|"]
     for label, size in (("", loss["vocab"]), ("_262k", 262_144)):
         cells = [f"{loss[name + label + '_seconds']:.2f} s, {loss[name + label + '_peak_bytes'] / 2**30:.2f} GiB"
@@ -104,6 +108,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--loss-only", action="store_true", help="rerun only the loss measurements, keep the steps")
     args = parser.parse_args()
 
     import torch
@@ -120,7 +125,15 @@ def main() -> None:
     results = {"setting": {"model": args.model, "removed": list(REMOVED), "batch": args.batch,
                            "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
                            "threads": torch.get_num_threads()}, "modes": {}}
-    for mode, teacher_dtype, autocast in (("float32", "float32", False), ("bf16 autocast", "bfloat16", True)):
+    modes = (("float32", "float32", False), ("bf16 autocast", "bfloat16", True))
+    if args.loss_only:
+        import json
+
+        previous = json.loads((ROOT / "bench" / "results" / "heal_step.json").read_text())
+        results["modes"], results["steps_measured_by"] = previous["modes"], previous["provenance"]["command"]
+        modes = ()
+    vocab = None
+    for mode, teacher_dtype, autocast in modes:
         teacher, _ = load_model(source, dtype=teacher_dtype, device="cpu")
         student, _ = load_model(source, dtype="float32", device="cpu")
         prune_in_memory(student, REMOVED)
@@ -155,6 +168,10 @@ def main() -> None:
         print(mode, row, file=sys.stderr)
         del teacher, student, optimizer
 
+    if vocab is None:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(source.path).vocab_size
     tokens = args.batch * (args.seq_len - 1)
     results["loss"] = {"tokens": tokens, "vocab": vocab, "steps": args.steps}
     for label, size in (("", vocab), ("_262k", 262_144)):  # this model's vocabulary, and Gemma 3's

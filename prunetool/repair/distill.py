@@ -53,8 +53,9 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
             chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Mean over tokens of T^2 KL(softmax(teacher/T) || softmax(student/T)); logits (..., V), float32 maths.
 
-    Loss and gradient come from one chunked pass (_ChunkedKL): measured 2x faster than log_softmax + kl_div
-    on SmolLM2's 49k vocabulary, and bounded in memory for large vocabularies (bench/heal_step.py).
+    Loss and gradient come from one chunked pass (_ChunkedKL): as fast as autograd through log_softmax +
+    kl_div on SmolLM2's 49k vocabulary with half its extra memory, and a quarter of it on a 262k vocabulary
+    (1.25x slower there; bench/heal_step.py).
     """
     vocab = student_logits.shape[-1]
     student = student_logits.reshape(-1, vocab)
