@@ -131,6 +131,8 @@ REGIONS: dict[str, Region] = {
                              lambda r: stamp(r) + "\n\n" + importlib.import_module("repair_heal").lr_table(r)),
     "repair-heal-smollm2-6": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6.json",),
                                     stamped("repair_heal")),
+    "repair-heal-smollm2-9": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-9.json",),
+                                    stamped("repair_heal")),
     "repair-heal-goals": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6.json",),
                                 lambda r: importlib.import_module("repair_heal").goals(r)),
     "heal-step": Region("bench/heal_step.py", ("heal_step.json",), stamped("heal_step")),
