@@ -173,7 +173,7 @@ def lr_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def reuse_base(name: str, args, layers: list[int]) -> dict | None:
+def reuse_base(name: str, args) -> dict | None:
     """The base row of another cut of the same model, measured with the same tasks and limit (it does not
     depend on the cut), so each model's base is evaluated once."""
     for path in sorted((ROOT / "bench" / "results").glob(f"repair_heal-{args.model}-*.json")):
@@ -288,7 +288,7 @@ def main() -> None:
         results["appended"] = previous.get("appended", []) + [previous["provenance"]["command"]]
         base = results["rows"][0]
     else:
-        base = reuse_base(name, args, layers) or ({"row": "base"} | judge(str(base_path)))
+        base = reuse_base(name, args) or ({"row": "base"} | judge(str(base_path)))
         results["rows"].append(base)
         write_results(name, results)
     for row in rows_wanted:

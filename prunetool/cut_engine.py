@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from prunetool.architecture import TESTED, decoder_of
-from prunetool.perplexity import _head_nll_sum, perplexity
+from prunetool.perplexity import _head_nll_sum, perplexity, perplexity_from_mean
 
 SELF_CHECK_RTOL = 1e-5
 
@@ -50,7 +50,6 @@ class CutEngine:
         self.device = next(model.parameters()).device
         self.batches = [windows[start:start + self.batch_size].to(self.device, torch.long)
                         for start in range(0, windows.shape[0], self.batch_size)]
-        self.tokens = windows.shape[0] * (windows.shape[1] - 1)
         self.removed: tuple[int, ...] = ()
         self.kwargs: list[list[dict]] = []  # [batch][layer] -> the decoder's keyword arguments to that layer
         self.states: list[list[torch.Tensor]] = []  # [batch][boundary] -> input of layer `boundary` (L: output)
@@ -115,10 +114,7 @@ class CutEngine:
             for batch in chosen:
                 total += self._nll(batch, self._run(batch, start, skip))
                 tokens += self.batches[batch].shape[0] * (self.batches[batch].shape[1] - 1)
-        mean = total / tokens
-        if math.isnan(mean):
-            return math.inf
-        return math.exp(mean) if mean < math.log(torch.finfo(torch.float64).max) else math.inf
+        return perplexity_from_mean(total / tokens)
 
     def remove(self, layers: Iterable[int]) -> None:
         """Commit `layers` to the current cut and recompute the boundaries after the first of them."""

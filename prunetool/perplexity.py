@@ -56,6 +56,11 @@ def _batch_nll_sum(model: nn.Module, batch: torch.Tensor) -> float:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="sum").double().item()
 
 
+def perplexity_from_mean(mean: float) -> float:
+    """exp(mean NLL); inf where that overflows float64 or the mean is NaN."""
+    return math.exp(mean) if mean < math.log(torch.finfo(torch.float64).max) else math.inf
+
+
 def perplexity(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1) -> float:
     """exp(mean next-token NLL) over all windows (W, T), accumulated in float64, no KV cache.
 
@@ -72,5 +77,4 @@ def perplexity(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1) 
         for start in range(0, windows.shape[0], batch_size):
             batch = windows[start : start + batch_size].to(device=device, dtype=torch.long)
             total += _batch_nll_sum(model, batch)
-    mean = total / (windows.shape[0] * (windows.shape[1] - 1))
-    return math.exp(mean) if mean < math.log(torch.finfo(torch.float64).max) else math.inf
+    return perplexity_from_mean(total / (windows.shape[0] * (windows.shape[1] - 1)))

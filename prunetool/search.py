@@ -22,9 +22,6 @@ def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None)
     `req.measured`, when given, remembers results by the removed set, so callers that select for several
     drop counts on one model and one set of windows (the quality benchmark) measure each set once.
     """
-    from prunetool.in_memory import layers_removed
-    from prunetool.perplexity import perplexity
-
     key = frozenset(removed)
     if req.measured is not None and key in req.measured:
         return req.measured[key]
@@ -34,8 +31,7 @@ def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None)
             engine.set_cut(key)
         value = engine.perplexity_without(key)
     else:
-        with layers_removed(req.model, list(removed)):
-            value = perplexity(req.model, windows, batch_size=req.batch_size)
+        value = _full_forward(req, windows, removed)
     value = math.inf if math.isnan(value) else value
     if req.measured is not None:
         req.measured[key] = value
@@ -68,9 +64,13 @@ class _LazyEngine:
             self._engine.remove(layers)
 
 
+def _full_forward(req: SelectionRequest, windows: torch.Tensor, removed) -> float:
+    """Perplexity of `windows` with `removed` gone, by a plain forward of the cut model (no engine)."""
+    from prunetool.in_memory import layers_removed
+    from prunetool.perplexity import perplexity
 
-def _engine(req: SelectionRequest, windows: torch.Tensor) -> _LazyEngine:
-    return _LazyEngine(req, windows)
+    with layers_removed(req.model, sorted(removed)):
+        return perplexity(req.model, windows, batch_size=req.batch_size)
 
 
 class _Steps:
@@ -121,7 +121,7 @@ def select_ppl(req: SelectionRequest) -> Selection:
     """
     step = _Steps(req, sum(len(req.candidates) - k for k in range(req.count)))
     removed, first, _ = _greedy_removal(req, req.windows, lambda remaining, _: remaining, step,
-                                        _engine(req, req.windows))
+                                        _LazyEngine(req, req.windows))
     return Selection(tuple(removed), first, {"greedy_order": removed})
 
 
@@ -147,7 +147,7 @@ def select_guided(req: SelectionRequest) -> Selection:
     def shortlist(remaining: list[int], _removed: list[int]) -> list[int]:
         return sorted(remaining, key=lambda i: (values[i], i))[:size]
 
-    engine = _engine(req, windows)
+    engine = _LazyEngine(req, windows)
     block_ppl = {}
     for block in blocks:  # before the greedy path moves the engine's cut away from the uncut model
         block_ppl[block] = _measure(req, windows, block, engine)
@@ -166,9 +166,6 @@ def select_guided(req: SelectionRequest) -> Selection:
 def _screen(req: SelectionRequest, holder: _LazyEngine, base: list[int], extras: list[tuple[int, ...]],
             screen_windows: int) -> dict[tuple[int, ...], float]:
     """Perplexity of `base + extra` for every extra, on the first `screen_windows` windows only."""
-    from prunetool.in_memory import layers_removed
-    from prunetool.perplexity import perplexity
-
     engine = holder.get()
     values = {}
     if engine is not None:
@@ -178,8 +175,7 @@ def _screen(req: SelectionRequest, holder: _LazyEngine, base: list[int], extras:
             values[extra] = engine.perplexity_without(extra, batches=batches)
     else:
         for extra in extras:
-            with layers_removed(req.model, sorted({*base, *extra})):
-                values[extra] = perplexity(req.model, req.windows[:screen_windows], batch_size=req.batch_size)
+            values[extra] = _full_forward(req, req.windows[:screen_windows], {*base, *extra})
     return {extra: math.inf if math.isnan(value) else value for extra, value in values.items()}
 
 

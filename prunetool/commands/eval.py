@@ -140,10 +140,9 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         model_clock = time.perf_counter()
         model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
                                       trust_remote_code=request.trust_remote_code)
-        if candidate.remove:
-            prune_in_memory(model, candidate.remove)
         entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
         if candidate.remove:
+            prune_in_memory(model, candidate.remove)
             entry["removed_in_memory"] = list(candidate.remove)
         held_out = None
         if any(plan.kind == "heldout" for plan in plans):  # may generate calibration text: its own progress bar
