@@ -261,11 +261,12 @@ def prune(
     remove_layers: Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
                              "original indices, e.g. 3,7,12.")] = None,
     old_layers: OldLayersOpt = None,
-    criterion: Annotated[str, typer.Option("--criterion", help="guided (default), qsim, tappa, bi, angular, last, ppl or halving (docs/pruning.md).")] = "guided",
+    criterion: Annotated[str, typer.Option("--criterion", help="halving (default), guided, qsim, tappa, bi, angular, last or ppl (docs/pruning.md).")] = "halving",
     beta: Annotated[Optional[float], typer.Option("--beta", help="tappa and guided: weight on (1 - q-similarity), default 0.3.")] = None,
     shortlist: Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round; halving: screened layers confirmed on all windows per round.")] = 4,
     refine_windows: Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity measurement; halving: windows a screening uses.")] = 4,
     blocks: Annotated[int, typer.Option("--blocks", help="guided and halving: contiguous blocks measured beside the greedy path.")] = 3,
+    screen_tokens: Annotated[int, typer.Option("--screen-tokens", help="halving: tokens of each measuring window a screening reads.")] = 128,
     scores: Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score --output-file`; "
                       "its recorded calibration is used.")] = None,
     calib: CalibOpt = None,
@@ -311,7 +312,7 @@ def prune(
         samples=samples, protect_first=protect_first, protect_last=protect_last,
         output=one_of("--output-dir", output_dir, "--output", old_output), force=force, dry_run=dry_run,
         verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
-        shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, patch=patch,
+        shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens, patch=patch,
         patch_objective=patch_objective, patch_windows=patch_windows,
     )
     result = run_prune(request, err)

@@ -26,7 +26,8 @@ SCORE_PANELS = (
 )
 CRITERION_LABELS = {"guided": "guided importance", "tappa": "TAPPA importance", "qsim": "q-similarity",
                     "bi": "block influence", "angular": "block distance d(l, l+N)",
-                    "ppl": "perplexity with only this layer removed (round 1)"}
+                    "ppl": "perplexity with only this layer removed (round 1)",
+                    "halving": "perplexity with only this layer removed (round-1 screening)"}
 
 
 def new_figure(**options):
@@ -103,11 +104,14 @@ def score_series(scores: dict) -> dict[str, list[float]]:
 
 
 def candidates(plan: dict) -> list[tuple[str, float, bool]]:
-    """The guided search's measured proposals as (label, perplexity, chosen), in the order they were tried."""
+    """A search's measured proposals as (label, perplexity, chosen), in the order they were tried; after
+    the patch where the search judged them so (halving with --patch)."""
     removed = sorted(plan["removed"])
-    return [(f"{proposal['kind']}\n{layers_text(proposal['removed'])}", _number(proposal.get("perplexity")),
-             sorted(proposal["removed"]) == removed)
-            for proposal in (plan.get("parameters") or {}).get("proposals") or []]
+    parameters = plan.get("parameters") or {}
+    proposals = parameters.get("patched") or parameters.get("proposals") or []
+    return [(f"{proposal['kind']}\n{layers_text(proposal['removed'])}",
+             _number(proposal.get("patched_perplexity", proposal.get("perplexity"))), sorted(proposal["removed"]) == removed)
+            for proposal in proposals]
 
 
 def _log_if_wide(ax, values) -> None:
@@ -221,8 +225,9 @@ def prune_figure(scores: dict | None, plan: dict, *, title: str | None = None):
     values = plan.get("criterion_values")
     if values and not (scores is not None and criterion in ("qsim", "bi")):  # those repeat a score panel
         label = CRITERION_LABELS.get(criterion, f"{criterion} value")
-        name = "ppl" if criterion == "ppl" else "criterion"
-        panels.append((name, label if criterion != "ppl" else "perplexity", [(label, [_number(v) for v in values])]))
+        measured = criterion in ("ppl", "halving")
+        panels.append(("ppl" if measured else "criterion", "perplexity" if measured else label,
+                       [(label, [_number(v) for v in values])]))
     parameters = plan.get("parameters") or {}
     default = f"{plan.get('base_model', 'model')}: --criterion {criterion} removes {layers_text(plan['removed'])}"
     return _layer_figure(num_layers, panels, tuple(plan["removed"]), title or default, candidates(plan),

@@ -24,6 +24,7 @@ GUIDED_BETA = 0.3  # guided: TAPPA's published weight, now on ranks (bench/quali
 GUIDED_SHORTLIST = 4  # guided: candidates measured per round
 GUIDED_WINDOWS = 4  # guided: calibration windows per perplexity measurement
 GUIDED_BLOCKS = 3  # guided: contiguous blocks proposed beside the greedy path
+HALVING_SCREEN_TOKENS = 128  # halving: tokens of each measuring window a screening reads
 
 
 def tappa_importance(block_influence: list[float], q_similarity: list[float], beta: float = TAPPA_BETA) -> list[float]:
@@ -71,6 +72,8 @@ class SelectionRequest:
     shortlist: int = GUIDED_SHORTLIST  # guided only
     refine_windows: int = GUIDED_WINDOWS  # guided only
     blocks: int = GUIDED_BLOCKS  # guided only: contiguous candidate blocks measured
+    screen_tokens: int = HALVING_SCREEN_TOKENS  # halving only: screening windows' length
+    patch_objective: str | None = None  # halving only: judge the proposals after prune --patch's fit
     measured: dict | None = None  # guided and ppl: frozenset(removed) -> perplexity, shared across calls
 
     @property

@@ -163,60 +163,68 @@ def select_guided(req: SelectionRequest) -> Selection:
     return Selection(chosen, values, extra)
 
 
-def _screen(req: SelectionRequest, holder: _LazyEngine, base: list[int], extras: list[tuple[int, ...]],
-            screen_windows: int) -> dict[tuple[int, ...], float]:
-    """Perplexity of `base + extra` for every extra, on the first `screen_windows` windows only."""
+def _screen(req: SelectionRequest, holder: _LazyEngine, base: list[int], extras: list[tuple[int, ...]]) -> dict[tuple[int, ...], float]:
+    """Perplexity of `base + extra` for every extra, on the holder's (short) screening windows."""
     engine = holder.get()
     values = {}
     if engine is not None:
         engine.set_cut(base)
-        batches = range(math.ceil(screen_windows / engine.batch_size))
         for extra in extras:
-            values[extra] = engine.perplexity_without(extra, batches=batches)
+            values[extra] = engine.perplexity_without(extra)
     else:
         for extra in extras:
-            values[extra] = _full_forward(req, req.windows[:screen_windows], {*base, *extra})
+            values[extra] = _full_forward(req, holder.windows, {*base, *extra})
     return {extra: math.inf if math.isnan(value) else value for extra, value in values.items()}
 
 
 def select_halving(req: SelectionRequest) -> Selection:
     """SLEB's greedy search made cheap by successive halving, plus contiguous blocks and a local swap.
 
-    Each of the N rounds screens every remaining candidate on the first `refine_windows` windows and
-    measures only the best `shortlist` on all of them; the lowest goes for good. Beside that greedy path,
-    every contiguous run of N layers is screened the same way and the best `blocks` measured. The best
-    proposal is then refined: a removed layer is swapped for a kept neighbour while that lowers the
-    perplexity on all windows. All measurements go through the cut engine (prunetool.cut_engine).
+    Measuring windows are the first `refine_windows` calibration windows; screening windows are their
+    first `screen_tokens` tokens (a quarter of the text at the defaults, and the shorter attention is
+    cheaper still). Round one screens every candidate, later rounds the better half of round one's
+    screening; each round measures only its best `shortlist` on the measuring windows, and the lowest
+    goes for good. Beside that greedy path, every
+    contiguous run of N layers is screened and the best `blocks` measured (removing neighbours together
+    can cost less than greedy's one-at-a-time order finds). The best proposal is then refined: a removed
+    layer is swapped for a kept neighbour while that lowers the perplexity. Both window sets are measured
+    through the cut engine (prunetool.cut_engine), so a candidate runs only the layers after it.
     Values: round one's screening perplexity per layer (None for protected layers).
     """
-    holder = _LazyEngine(req, req.windows)
-    screen_windows = max(1, min(req.refine_windows, req.windows.shape[0]))
+    windows = req.windows[: max(1, req.refine_windows)]
+    screening = _LazyEngine(req, windows[:, : max(2, req.screen_tokens)])
+    holder = _LazyEngine(req, windows)
     keep = max(1, req.shortlist)
-    step = _Steps(req, req.count * (len(req.candidates) + keep) + 2 * req.blocks + 4 * req.count)
+    half = max(len(req.candidates) // 2, keep + req.count)
+    step = _Steps(req, len(req.candidates) + (req.count - 1) * half + req.count * keep + 2 * req.blocks + 4 * req.count)
     removed: list[int] = []
     first: list[float | None] | None = None
+    pool = req.candidates
     for _ in range(req.count):
-        remaining = [i for i in req.candidates if i not in removed]
-        screened = {extra[0]: value for extra, value in
-                    _screen(req, holder, removed, [(i,) for i in remaining], screen_windows).items()}
+        remaining = [i for i in pool if i not in removed]
+        screened = {extra[0]: value for extra, value in _screen(req, screening, removed, [(i,) for i in remaining]).items()}
         for _ in remaining:
             step()
-        first = first or [screened.get(i) for i in range(req.num_layers)]
+        if first is None:  # later rounds screen only round one's better half: a layer whose removal alone
+            first = [screened.get(i) for i in range(req.num_layers)]  # ranks low seldom becomes the best
+            pool = sorted(screened, key=lambda i: (screened[i], i))[:max(len(screened) // 2, keep + req.count)]
         confirmed = {}
         for layer in sorted(screened, key=lambda i: (screened[i], i))[:keep]:
-            confirmed[layer] = _measure(req, req.windows, removed + [layer], holder)
+            confirmed[layer] = _measure(req, windows, removed + [layer], holder)
             step()
         best = min(confirmed, key=lambda i: (confirmed[i], i))
         removed.append(best)
         greedy_ppl = confirmed[best]
+        if len(removed) < req.count:  # later rounds' confirmations share the new prefix
+            holder.remove([best])
     proposals = {tuple(sorted(removed)): ("greedy", greedy_ppl)}
     starts = range(req.protect_first, req.block_end - req.count + 1)
     if req.blocks > 0 and len(starts) > 0:
         blocks = [tuple(range(start, start + req.count)) for start in starts]
-        screened_blocks = _screen(req, holder, [], blocks, screen_windows)  # each block is its own cut
+        screened_blocks = _screen(req, screening, [], blocks)  # each block is its own cut
         for block in sorted(screened_blocks, key=lambda b: (screened_blocks[b], b))[:req.blocks]:
             if block not in proposals:
-                proposals[block] = ("block", _measure(req, req.windows, block, holder))
+                proposals[block] = ("block", _measure(req, windows, block, holder))
             step()
     chosen = min(proposals, key=lambda c: (proposals[c][1], c))
     best_ppl, swaps = proposals[chosen][1], []
@@ -228,7 +236,7 @@ def select_halving(req: SelectionRequest) -> Selection:
                 if neighbour in chosen or neighbour not in req.candidates:
                     continue
                 trial = tuple(sorted((set(chosen) - {layer}) | {neighbour}))
-                value = _measure(req, req.windows, trial, holder)
+                value = _measure(req, windows, trial, holder)
                 step()
                 if value < best_ppl:
                     swaps.append({"out": layer, "in": neighbour, "perplexity": value})
@@ -236,7 +244,32 @@ def select_halving(req: SelectionRequest) -> Selection:
                     break
             if improved:
                 break
-    extra = {"greedy_order": removed, "screen_windows": screen_windows, "chosen_from": proposals.get(chosen, ("swap",))[0],
+    proposals.setdefault(chosen, ("swap", best_ppl))
+    extra = {"greedy_order": removed, "refine_windows": int(windows.shape[0]), "screen_tokens": int(screening.windows.shape[1]),
+             "chosen_from": proposals[chosen][0],
              "proposals": [{"removed": list(c), "kind": k, "perplexity": v} for c, (k, v) in proposals.items()],
              "swaps": swaps, "perplexity": best_ppl}
+    if req.patch_objective is not None:
+        chosen = _judge_patched(req, windows, proposals, extra)
     return Selection(chosen, first, extra)
+
+
+def _judge_patched(req: SelectionRequest, windows: torch.Tensor, proposals: dict, extra: dict) -> tuple[int, ...]:
+    """Repair-aware choice (prune --patch): every proposal measured with its patch fitted and folded in.
+
+    The fit reads the calibration windows after the measuring ones (all of them when there are no others),
+    so a proposal is not judged on the text its patch was fitted to.
+    """
+    from prunetool.repair.judge import patched_perplexities
+
+    fit = req.windows[windows.shape[0]:] if req.windows.shape[0] > windows.shape[0] else windows
+    patched = patched_perplexities(req.model, list(proposals), fit, windows, req.patch_objective, batch_size=req.batch_size)
+    patched = {cut: math.inf if math.isnan(value) else value for cut, value in patched.items()}
+    chosen = min(patched, key=lambda c: (patched[c], c))
+    extra.update({"judged_after_patch": {"objective": req.patch_objective, "fit_windows": int(fit.shape[0]),
+                                         "fit_on_measuring_windows": fit is windows},
+                  "patched": [{"removed": list(c), "kind": proposals[c][0], "perplexity": proposals[c][1],
+                               "patched_perplexity": v} for c, v in patched.items()],
+                  "perplexity": proposals[chosen][1], "patched_perplexity": patched[chosen],
+                  "chosen_from": proposals[chosen][0]})
+    return chosen

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from prunetool.architecture import decoder_of
 from prunetool.errors import OptionError
 from prunetool.plan import PrunePlan
-from prunetool.ranking import (GUIDED_BETA, GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, TAPPA_BETA, Selection,
+from prunetool.ranking import (GUIDED_BETA, GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS,
+                               TAPPA_BETA, Selection,
                                SelectionRequest, select_angular, select_bi, select_last, select_qsim, select_tappa)
 from prunetool.search import select_guided, select_halving, select_ppl
 
@@ -34,7 +35,7 @@ class Criterion:
 
 
 CRITERIA: dict[str, Criterion] = {
-    "guided": Criterion(select_guided, "both", "q-similarity/BI rank proposes layer sets, calibration perplexity picks (default)",
+    "guided": Criterion(select_guided, "both", "q-similarity/BI rank proposes layer sets, calibration perplexity picks",
                         ("beta", "shortlist", "refine_windows", "blocks", "batch_size")),
     "qsim": Criterion(select_qsim, "scores", "highest query self-similarity (most predictable queries) first"),
     "tappa": Criterion(select_tappa, "scores", "TAPPA: lowest minmax(BI) + beta*(1 - minmax(qsim)) first", ("beta",)),
@@ -45,8 +46,8 @@ CRITERIA: dict[str, Criterion] = {
     "ppl": Criterion(select_ppl, "model", "SLEB-style greedy: remove the layer that hurts calibration perplexity least, N times",
                      ("batch_size",)),
     "halving": Criterion(select_halving, "model", "SLEB's greedy with successive halving (screen on few windows, confirm "
-                         "the best on all), contiguous blocks and neighbour swaps", ("shortlist", "refine_windows", "blocks",
-                                                                                "batch_size")),
+                         "the best on all), contiguous blocks and neighbour swaps; with --patch, judged after the patch (default)",
+                         ("shortlist", "refine_windows", "screen_tokens", "blocks", "batch_size", "patch_objective")),
 }
 
 
@@ -57,7 +58,8 @@ def default_beta(criterion: str) -> float:
 
 def validate_selection(criterion: str, count: int, num_layers: int, *, beta: float | None = None,
                        protect_first: int = 0, protect_last: int = 0, shortlist: int = GUIDED_SHORTLIST,
-                       refine_windows: int = GUIDED_WINDOWS, blocks: int = GUIDED_BLOCKS) -> None:
+                       refine_windows: int = GUIDED_WINDOWS, blocks: int = GUIDED_BLOCKS,
+                       screen_tokens: int = HALVING_SCREEN_TOKENS) -> None:
     """Every option check that needs no model and no scores, so a typo fails before minutes of loading."""
     if criterion not in CRITERIA:
         raise OptionError(f"unknown --criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
@@ -65,7 +67,7 @@ def validate_selection(criterion: str, count: int, num_layers: int, *, beta: flo
     if not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
         raise OptionError(f"--beta must be a number >= 0 (TAPPA used 0.3), got {beta}")
     for flag, value, least in (("--shortlist", shortlist, 1), ("--refine-windows", refine_windows, 1),
-                               ("--blocks", blocks, 0)):
+                               ("--blocks", blocks, 0), ("--screen-tokens", screen_tokens, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise OptionError(f"{flag} must be a whole number >= {least}, got {value}")
     for flag, value in (("--protect-first", protect_first), ("--protect-last", protect_last)):
@@ -109,12 +111,15 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
               beta: float | None = None, protect_first: int = 0, protect_last: int = 0,
               batch_size: int = 1, on_step: Callable[[int, int], None] | None = None,
               shortlist: int = GUIDED_SHORTLIST, refine_windows: int = GUIDED_WINDOWS,
-              blocks: int = GUIDED_BLOCKS) -> PrunePlan:
-    """Validate, run one criterion, and record how the layers were chosen in a PrunePlan."""
+              blocks: int = GUIDED_BLOCKS, screen_tokens: int = HALVING_SCREEN_TOKENS,
+              patch_objective: str | None = None) -> PrunePlan:
+    """Validate, run one criterion, and record how the layers were chosen in a PrunePlan.
+
+    `patch_objective` (prune --patch): criteria that can judge their proposals after the patch do so."""
     total = _num_layers(scores, model, num_layers)
     beta = default_beta(criterion) if beta is None else beta
     validate_selection(criterion, count, total, beta=beta, protect_first=protect_first, protect_last=protect_last,
-                       shortlist=shortlist, refine_windows=refine_windows, blocks=blocks)
+                       shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens)
     spec = CRITERIA[criterion]
     if spec.needs in ("scores", "both") and scores is None:
         raise OptionError(f"--criterion {criterion} ranks recorded scores; score the model first")
@@ -122,7 +127,8 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
         raise OptionError(f"--criterion {criterion} measures perplexity, so it needs the model and calibration windows")
     request = SelectionRequest(total, count, scores, protect_first, protect_last, beta, model,
                                calibration.input_ids if calibration is not None else None, batch_size, on_step,
-                               shortlist=shortlist, refine_windows=refine_windows, blocks=blocks)
+                               shortlist=shortlist, refine_windows=refine_windows, blocks=blocks,
+                               screen_tokens=screen_tokens, patch_objective=patch_objective if "patch_objective" in spec.parameters else None)
     selection = spec.select(request)
     parameters = {"protect_first": protect_first, "protect_last": protect_last}
     parameters |= {name: getattr(request, name) for name in spec.parameters} | selection.extra

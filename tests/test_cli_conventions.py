@@ -123,7 +123,7 @@ def test_prune_request_is_built_by_keyword():
 
     with pytest.raises(TypeError):
         PruneRequest("model", 2)  # positional arguments would silently shift when an option is added
-    assert PruneRequest(model="m", drop=2).criterion == "guided"
+    assert PruneRequest(model="m", drop=2).criterion == "halving"
 
 
 def test_score_and_prune_plots(tiny_checkpoint, calib_file, tmp_path):

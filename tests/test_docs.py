@@ -50,7 +50,7 @@ def test_an_edited_number_in_a_generated_table_fails(render_docs, copy_root):
     doc = copy_root / "docs" / "benchmarks.md"
     text = doc.read_text()
     region = re.search(r"<!-- generated:quality .*?<!-- end generated:quality -->", text, re.S)
-    number = re.search(r"\| guided \(default\) \| (\d+\.\d)", region[0])
+    number = re.search(r"\| halving \(default\) \| (\d+\.\d)", region[0])
     edited = region[0].replace(number[0], number[0][:-1] + str((int(number[1][-1]) + 1) % 10), 1)
     doc.write_text(text.replace(region[0], edited))
     assert render_docs.stale(copy_root) == ["docs/benchmarks.md"]

@@ -385,3 +385,69 @@ def test_surgery_refuses_bad_replacements(tiny_checkpoint, tmp_path):
         with pytest.raises(UnsupportedModelError, match=word):
             write_pruned_checkpoint(source, plan, tmp_path / "out", replacements={name: tensor})
         assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ repair-aware selection
+
+def test_patched_perplexities_equal_an_independent_fold_and_leave_the_model_as_it_was(tiny_checkpoint, calib_file):
+    """Each cut's perplexity after its lstsq patch = a hand fold of torch.linalg.lstsq into a fresh copy."""
+    from prunetool.perplexity import perplexity
+    from prunetool.repair.judge import patched_perplexities
+
+    source = tiny_checkpoint("llama")
+    ids = windows(source, calib_file).input_ids
+    fit, judge = ids[4:], ids[:4]
+    model = load(source)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    got = patched_perplexities(model, [(2, 3), (1, 2, 4)], fit, judge, "lstsq")
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+    for cut in ((2, 3), (1, 2, 4)):
+        reference = load(source)
+        for first, last in contiguous_runs(cut):
+            m, y, l, _ = reference_activations(load(source), fit, first, last)
+            t = torch.linalg.lstsq(m, l - y).solution
+            kept = reference.get_decoder().layers[first - 1].mlp.down_proj
+            with torch.no_grad():
+                kept.weight.copy_((t.T @ kept.weight.double()).float())
+        prune_in_memory(reference, list(cut))
+        assert got[cut] == pytest.approx(perplexity(reference, judge), rel=1e-4), cut
+        plain = load(source)
+        prune_in_memory(plain, list(cut))
+        assert got[cut] != pytest.approx(perplexity(plain, judge), rel=1e-3)  # the patch did change something
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_halving_with_patch_chooses_the_proposal_best_after_repair(arch, tiny_checkpoint, calib_file):
+    """Every proposal is re-measured patched (fit on the windows after the measuring ones); the lowest wins."""
+    from prunetool.ranking import SelectionRequest
+    from prunetool.repair.judge import patched_perplexities
+    from prunetool.search import select_halving
+
+    source = tiny_checkpoint(arch)
+    ids = windows(source, calib_file).input_ids
+    model = load(source)
+    chosen = select_halving(SelectionRequest(6, 2, model=model, windows=ids, refine_windows=3, blocks=3,
+                                             patch_objective="lstsq"))
+    judged = chosen.extra["judged_after_patch"]
+    assert judged == {"objective": "lstsq", "fit_windows": SAMPLES - 3, "fit_on_measuring_windows": False}
+    cuts = [tuple(p["removed"]) for p in chosen.extra["patched"]]
+    assert len(cuts) >= 2 and any(p["kind"] == "block" for p in chosen.extra["patched"])
+    again = patched_perplexities(model, cuts, ids[3:], ids[:3], "lstsq")
+    for proposal in chosen.extra["patched"]:
+        assert proposal["patched_perplexity"] == pytest.approx(again[tuple(proposal["removed"])], rel=1e-6)
+    assert chosen.removed == min(again, key=lambda c: (again[c], c))
+    assert chosen.extra["patched_perplexity"] == pytest.approx(min(again.values()), rel=1e-6)
+
+
+def test_prune_with_patch_records_the_repair_aware_choice(tiny_checkpoint, calib_file, tmp_path):
+    source = tiny_checkpoint("mistral")
+    args = ["prune", str(source), "--drop", "2", "--criterion", "halving", "--patch", "--calib", str(calib_file),
+            "--seq-len", str(SEQ_LEN), "--samples", str(SAMPLES), "--patch-windows", str(SAMPLES),
+            "--refine-windows", "3", "--output", str(tmp_path / "out"), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    parameters = json.loads(result.stdout)["plan"]["parameters"]
+    assert parameters["judged_after_patch"]["objective"] == "down_proj"
+    best = min(parameters["patched"], key=lambda p: (p["patched_perplexity"], p["removed"]))
+    assert json.loads(result.stdout)["plan"]["removed"] == best["removed"]

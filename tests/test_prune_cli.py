@@ -47,8 +47,8 @@ def test_score_then_prune_uses_the_current_run(tiny_checkpoint, calib_file, tmp_
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     plan = report["plan"]
-    assert plan["criterion"] == "guided" and len(plan["removed"]) == 2 and plan["num_layers"] == 6
-    assert {p["kind"] for p in plan["parameters"]["proposals"]} <= {"greedy", "block"}
+    assert plan["criterion"] == "halving" and len(plan["removed"]) == 2 and plan["num_layers"] == 6
+    assert {p["kind"] for p in plan["parameters"]["proposals"]} <= {"greedy", "block", "swap"}
     assert report["verification"]["cached_generation_matches"] and report["verification"]["layers"] == 4
     assert report["perplexity"]["after"] == pytest.approx(report["verification"]["perplexity"], rel=1e-4)
     config = json.loads((out / "config.json").read_text())

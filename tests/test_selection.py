@@ -432,7 +432,7 @@ def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monke
 
 
 @pytest.mark.parametrize("option, value, flag", [("shortlist", 0, "--shortlist"), ("refine_windows", 0, "--refine-windows"),
-                                                 ("blocks", -1, "--blocks")])
+                                                 ("blocks", -1, "--blocks"), ("screen_tokens", 1, "--screen-tokens")])
 def test_guided_options_are_checked(option, value, flag):
     with pytest.raises(OptionError, match=flag):
         validate_selection("guided", 2, 6, **{option: value})
@@ -446,12 +446,37 @@ def test_halving_matches_sleb_when_it_confirms_every_candidate_and_measures_what
 
     model = _load(tiny_checkpoint, "gemma3_text")
     windows = torch.randint(0, 300, (4, 12), generator=torch.Generator().manual_seed(3))
-    sleb = select_ppl(SelectionRequest(6, 2, model=model, windows=windows))
-    wide = select_halving(SelectionRequest(6, 2, model=model, windows=windows, shortlist=6, refine_windows=1, blocks=0))
+    sleb = select_ppl(SelectionRequest(6, 2, model=model, windows=windows[:3]))
+    wide = select_halving(SelectionRequest(6, 2, model=model, windows=windows, shortlist=6, refine_windows=3,
+                                           screen_tokens=4, blocks=0))
     assert wide.extra["greedy_order"] == list(sleb.extra["greedy_order"])
-    narrow = select_halving(SelectionRequest(6, 3, model=model, windows=windows, shortlist=1, refine_windows=2, blocks=2))
+    assert (wide.extra["refine_windows"], wide.extra["screen_tokens"]) == (3, 4)
+    for layer in range(6):  # round one screened each layer on the first 4 tokens of the 3 measuring windows
+        with layers_removed(model, [layer]):
+            assert wide.values[layer] == pytest.approx(perplexity_module.perplexity(model, windows[:3, :4]), rel=1e-5)
+    narrow = select_halving(SelectionRequest(6, 3, model=model, windows=windows, shortlist=1, refine_windows=2,
+                                             screen_tokens=6, blocks=2))
     for proposal in narrow.extra["proposals"] + [{"removed": list(narrow.removed), "perplexity": narrow.extra["perplexity"]}]:
         with layers_removed(model, proposal["removed"]):
-            assert proposal["perplexity"] == pytest.approx(perplexity_module.perplexity(model, windows), rel=1e-5)
+            assert proposal["perplexity"] == pytest.approx(perplexity_module.perplexity(model, windows[:2]), rel=1e-5)
     assert narrow.extra["perplexity"] <= min(p["perplexity"] for p in narrow.extra["proposals"])
     assert [p["kind"] for p in narrow.extra["proposals"]].count("block") >= 1
+
+
+def test_halving_screens_every_layer_once_then_round_ones_better_half(tiny_checkpoint, monkeypatch):
+    from prunetool import search
+    from prunetool.ranking import SelectionRequest
+
+    model, _ = load_model(resolve_model(str(tiny_checkpoint("llama", num_layers=12))), dtype="float32", device="cpu")
+    windows = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(5))
+    screened: list[list[tuple[int, ...]]] = []
+    real = search._screen
+    monkeypatch.setattr(search, "_screen", lambda req, holder, base, extras: screened.append(list(extras))
+                        or real(req, holder, base, extras))
+    chosen = search.select_halving(SelectionRequest(12, 3, model=model, windows=windows, shortlist=1, refine_windows=2,
+                                                    screen_tokens=6, blocks=0))
+    first = chosen.values
+    better_half = sorted(range(12), key=lambda i: (first[i], i))[:6]
+    assert [len(extras) for extras in screened] == [12, 5, 4]  # the pool minus the layers already removed
+    assert all({extra[0] for extra in extras} <= set(better_half) for extras in screened[1:])
+    assert set(chosen.extra["greedy_order"]) <= set(better_half)

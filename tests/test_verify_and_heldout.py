@@ -280,7 +280,7 @@ def test_scores_only_criteria_also_hold_out_text_after_the_scored_windows(criter
 def test_guided_plan_records_the_scores_and_the_search_windows(tiny_checkpoint, calib_file, tmp_path):
     out = tmp_path / "pruned"
     result = ok(invoke("prune", tiny_checkpoint("qwen2"), "--drop", "2", "--calib", calib_file, "--seq-len", SEQ,
-                       "--samples", 6, "--refine-windows", 3, "--output-dir", out, "--json"))
+                       "--samples", 6, "--refine-windows", 3, "--criterion", "guided", "--output-dir", out, "--json"))
     record = prune_json(out)
     assert record["criterion"] == "guided"
     scored, searched = record["calibration"], record["search_calibration"]

@@ -38,7 +38,7 @@ from prunetool.loading import load_model, pick_device, pick_dtype
 from prunetool.perplexity import perplexity
 from prunetool.plan import PrunePlan
 from prunetool.progress import window_progress
-from prunetool.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS
+from prunetool.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS
 from prunetool.runs import current_scores, record_current_run
 from prunetool.scoring import Scores, score_model
 from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
@@ -55,7 +55,7 @@ class PruneRequest:
     model: str | None = None
     drop: int | None = None
     layers: str | None = None
-    criterion: str = "guided"
+    criterion: str = "halving"
     beta: float | None = None  # None: the criterion's own default
     scores_file: Path | None = None
     calib: str | None = None
@@ -73,6 +73,7 @@ class PruneRequest:
     batch_size: int = 1
     trust_remote_code: bool = False
     shortlist: int = GUIDED_SHORTLIST  # guided only
+    screen_tokens: int = HALVING_SCREEN_TOKENS  # halving only
     refine_windows: int = GUIDED_WINDOWS
     blocks: int = GUIDED_BLOCKS
     plot: Path | None = None
@@ -132,7 +133,8 @@ def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | N
         return parse_layers(request.layers, num_layers)
     validate_selection(request.criterion, request.drop, num_layers, beta=request.beta,
                        protect_first=request.protect_first, protect_last=request.protect_last,
-                       shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks)
+                       shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
+                       screen_tokens=request.screen_tokens)
     return None
 
 
@@ -185,6 +187,8 @@ def load_windows(start: StartingPoint, tokenizer, model, source, *, selection: b
 
 def choose(request, spec, scores, model, calibration, console: Console) -> tuple[PrunePlan, Scores | None]:
     """Run the criterion, scoring first when it ranks scores nobody recorded yet."""
+    from prunetool.repair.fit import DEFAULT_OBJECTIVE
+
     num_layers = scores.num_layers if scores is not None else model.config.get_text_config(decoder=True).num_hidden_layers
     needs = CRITERIA[request.criterion].needs
     with window_progress(console) as progress:
@@ -197,6 +201,7 @@ def choose(request, spec, scores, model, calibration, console: Console) -> tuple
                          num_layers=num_layers, beta=request.beta, protect_first=request.protect_first,
                          protect_last=request.protect_last, batch_size=request.batch_size,
                          shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
+                         screen_tokens=request.screen_tokens, patch_objective=(request.patch_objective or DEFAULT_OBJECTIVE) if request.patch else None,
                          on_step=lambda done, total: progress.update(search, completed=done, total=total))
     return plan, scores
 
