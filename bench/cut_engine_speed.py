@@ -26,11 +26,16 @@ CUTS = {"smollm2-135m": (13, 14, 15), "gemma3-270m": (8, 9)}  # a partial cut, a
 
 
 def table(results: dict) -> str:
-    lines = ["| model | current cut | candidates | full forwards | engine (incl. build) | speed-up | largest rel. diff |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    setting = results["setting"]
+    lines = [f"One SLEB round (every kept layer removed in turn), {setting['windows']} C4 windows x {setting['seq_len']} "
+             f"tokens, {setting['dtype']}, {setting['threads']} thread{'s' if setting['threads'] > 1 else ''}. Engine time includes "
+             "building it (one capture forward and one self-check forward).", "",
+             "| model | current cut | candidates | full forwards | engine (incl. build) | measurements/s: full | engine | speed-up | largest rel. diff |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in results["rows"]:
         lines.append(f"| {row['model']} | {', '.join(map(str, row['cut'])) or 'none'} | {row['candidates']} | "
                      f"{row['full_seconds']:.1f} s | {row['engine_seconds']:.1f} s | "
+                     f"{row['candidates'] / row['full_seconds']:.2f} | {row['candidates'] / row['engine_seconds']:.2f} | "
                      f"{row['full_seconds'] / row['engine_seconds']:.2f}x | {row['max_rel_diff']:.1e} |")
     return "\n".join(lines)
 

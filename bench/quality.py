@@ -36,6 +36,8 @@ EVAL_WINDOWS = 16  # fixed WikiText-2 test windows of SEQ_LEN tokens: the first 
 RANDOM_SEEDS = 5
 PPL_WINDOWS = 4  # SLEB's greedy measures the same few calibration windows guided refines on (its default)
 ACCURACY_TASKS = "lambada_openai,arc_easy,piqa,winogrande"
+DEFAULT = "halving"  # prunetool prune's default criterion since issue 14 (guided before)
+PATCH_OBJECTIVE = "down_proj"  # prune --patch's default; --patched fits it on the 16 C4 calibration windows
 
 
 def criteria(beta_values=(0.1, 0.3, 1.0)) -> dict[str, dict]:
@@ -44,7 +46,8 @@ def criteria(beta_values=(0.1, 0.3, 1.0)) -> dict[str, dict]:
     for beta in beta_values:
         table[f"tappa-{beta:g}"] = {"criterion": "tappa", "beta": beta}
     table |= {"bi": {"criterion": "bi"}, "angular": {"criterion": "angular"}, "last": {"criterion": "last"},
-              "ppl": {"criterion": "ppl"}}
+              "ppl": {"criterion": "ppl"}, "halving": {"criterion": "halving"},
+              "halving-patch": {"criterion": "halving", "patch_objective": PATCH_OBJECTIVE}}
     return table
 
 
@@ -65,8 +68,8 @@ def eval_windows(tokenizer):
     return load_calibration(str(DATA / "wikitext2-test.raw"), tokenizer, seq_len=SEQ_LEN, samples=EVAL_WINDOWS)
 
 
-def select(name: str, spec: dict, scores, model, calibration, drops, memo: dict) -> tuple[dict, float]:
-    """{drop: removed} for one criterion, and the seconds the selection took.
+def select(name: str, spec: dict, scores, model, calibration, drops, memo: dict) -> tuple[dict, float, dict]:
+    """{drop: removed} for one criterion, the seconds the selection took, and those seconds by drop count.
 
     SLEB's greedy is sequential, so the largest drop count's order gives every smaller one. guided runs
     once per drop count with a memo of measured sets (per number of windows), so shared greedy prefixes
@@ -80,9 +83,11 @@ def select(name: str, spec: dict, scores, model, calibration, drops, memo: dict)
     sequential = spec["criterion"] == "ppl"
     windows = spec.get("refine_windows", PPL_WINDOWS if sequential else GUIDED_WINDOWS)
     started = time.perf_counter()
-    out = {}
+    out, by_drop = {}, {}
     for drop in ([max(drops)] if sequential else drops):
-        options = {k: spec[k] for k in ("shortlist", "refine_windows", "blocks") if k in spec}
+        clock = time.perf_counter()
+        options = {k: spec[k] for k in ("shortlist", "refine_windows", "blocks", "screen_tokens", "patch_objective")
+                   if k in spec}
         request = SelectionRequest(scores.num_layers, drop, scores, beta=spec.get("beta", default_beta), model=model,
                                    windows=calibration.input_ids[:windows] if sequential else calibration.input_ids,
                                    measured=memo.setdefault(windows, {}), **options)
@@ -92,7 +97,8 @@ def select(name: str, spec: dict, scores, model, calibration, drops, memo: dict)
             out = {d: sorted(order[:d]) for d in drops}
         else:
             out[drop] = sorted(chosen.removed)
-    return out, time.perf_counter() - started
+        by_drop[drop] = round(time.perf_counter() - clock, 1)
+    return out, time.perf_counter() - started, by_drop
 
 
 def main() -> None:
@@ -104,6 +110,8 @@ def main() -> None:
                         help='a method experiment, NAME=JSON, e.g. g2={"criterion":"guided","beta":0.3}')
     parser.add_argument("--shift-guided", action="store_true",
                         help="also run guided on the other calibration texts and report how its choice moves")
+    parser.add_argument("--patched", action="store_true",
+                        help="also measure every selection after --patch's fit (on the calibration windows)")
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--accuracy-limit", type=int, default=500)
     args = parser.parse_args()
@@ -159,7 +167,6 @@ def run_model(alias: str, args) -> None:
         scores[label] = Scores.from_json(entry["scores"][label])
 
     calibration = calibrations[MAIN_CALIBRATION]
-    memo: dict = {}  # refine windows -> {frozenset(removed): calibration perplexity}
     wanted = criteria()
     extra = entry.setdefault("variants", {})  # method experiments recorded beside the criteria
     for item in args.variant:
@@ -173,8 +180,10 @@ def run_model(alias: str, args) -> None:
         done = entry["configs"].get(name)
         if done and all(str(d) in done["drops"] for d in drops) and only is None:
             continue
-        chosen, seconds = select(name, spec, scores[MAIN_CALIBRATION], model, calibration, drops, memo)
-        row = {"spec": spec, "select_seconds": seconds, "drops": {}}
+        # each criterion measures alone: a memo of measured sets is shared across its drop counts only
+        chosen, seconds, by_drop = select(name, spec, scores[MAIN_CALIBRATION], model, calibration, drops, {})
+        row = {"spec": spec, "select_seconds": seconds, "select_seconds_by_drop": by_drop, "threads": torch.get_num_threads(),
+               "drops": {}}
         for drop, removed in chosen.items():
             row["drops"][str(drop)] = {"removed": removed, "ppl": ppl(removed)}
         entry["configs"][name] = row
@@ -194,12 +203,14 @@ def run_model(alias: str, args) -> None:
         save_results(results)
         log(f"{alias}: random " + "  ".join(f"{d}:{row['drops'][str(d)]['ppl']:.1f}" for d in drops))
 
+    if args.patched:
+        patched_rows(alias, model, calibration, evals, entry, results)
     entry["calibration_shift"] = calibration_shift(scores, model, calibrations, drops)
     if args.shift_guided and "guided" in entry["configs"]:
         for label in calibrations:
             if label == MAIN_CALIBRATION:
                 continue
-            chosen, _ = select("guided", {"criterion": "guided"}, scores[label], model, calibrations[label], drops, {})
+            chosen, _, _ = select("guided", {"criterion": "guided"}, scores[label], model, calibrations[label], drops, {})
             entry["calibration_shift"][label]["overlap_guided"] = {
                 str(d): overlap(chosen[d], entry["configs"]["guided"]["drops"][str(d)]["removed"]) for d in drops}
             entry["calibration_shift"][label]["guided_removed"] = {str(d): chosen[d] for d in drops}
@@ -207,6 +218,28 @@ def run_model(alias: str, args) -> None:
     save_results(results)
     if args.accuracy:
         run_accuracy(alias, model, tokenizer, entry, results, args.accuracy_limit)
+
+
+PATCHED_CONFIGS = ("guided", "qsim", "tappa-0.3", "bi", "angular", "last", "ppl", "halving", "halving-patch")
+
+
+def patched_rows(alias, model, calibration, evals, entry, results) -> None:
+    """WikiText-2 perplexity of the criteria's cuts after `prune --patch`'s fit, fitted on the 16 C4
+    calibration windows (the text the criteria chose on), never on WikiText-2. One capture pass serves
+    every cut; a cut that several criteria chose is fitted and measured once."""
+    from prunetool.repair.judge import patched_perplexities
+
+    wanted = {(name, d): tuple(cell["removed"]) for name in PATCHED_CONFIGS if name in entry["configs"]
+              for d, cell in entry["configs"][name]["drops"].items() if "patched_ppl" not in cell}
+    if not wanted:
+        return
+    started = time.perf_counter()
+    values = patched_perplexities(model, set(wanted.values()), calibration.input_ids, evals.input_ids, PATCH_OBJECTIVE)
+    for (name, d), cut in wanted.items():
+        entry["configs"][name]["drops"][d]["patched_ppl"] = values[cut]
+    entry["patched_seconds"] = round(time.perf_counter() - started, 1)
+    save_results(results)
+    log(f"{alias}: {len(set(wanted.values()))} cuts measured after the patch in {entry['patched_seconds']:.0f}s")
 
 
 def calibration_shift(scores: dict, model, calibrations: dict, drops) -> dict:
@@ -245,7 +278,7 @@ def overlap(a, b) -> float:
     return len(set(a) & set(b)) / len(a)
 
 
-ACCURACY_CONFIGS = ("guided", "bi", "angular")  # at the middle drop count, beside the base model
+ACCURACY_CONFIGS = ("guided", "bi", "angular", "ppl", "halving")  # at the middle drop count, beside the base model
 
 
 def run_accuracy(alias, model, tokenizer, entry, results, limit: int) -> None:
@@ -262,6 +295,17 @@ def run_accuracy(alias, model, tokenizer, entry, results, limit: int) -> None:
         key = "base" if name == "base" else f"{name}@{middle}"
         if table.get(key, {}).get("limit") == limit and table[key].get("removed") == removed:
             continue
+        twin = next((other for other, row in table.items() if row.get("limit") == limit and row.get("removed") == removed
+                     and "same_as" not in row), None)
+        if twin is not None:  # another criterion chose the same layers: the same model, evaluated once
+            table[key] = {**table[twin], "same_as": twin}
+            save_results(results)
+            continue
+        measured_there = repair_bench_accuracy(alias, removed, limit)
+        if measured_there is not None:
+            table[key] = measured_there
+            save_results(results)
+            continue
         started = time.perf_counter()
         with layers_removed(model, removed):
             merged, _ = evaluate_tasks(make_lm(model, tokenizer, "auto"), plans, managers, limit=limit, num_fewshot=None)
@@ -274,12 +318,28 @@ def run_accuracy(alias, model, tokenizer, entry, results, limit: int) -> None:
         log(f"{alias}: accuracy {key} " + ", ".join(f"{t} {m.get('acc', float('nan')):.3f}" for t, m in metrics.items()))
 
 
+def repair_bench_accuracy(alias: str, removed: list[int], limit: int) -> dict | None:
+    """The same tasks on the same cut, already run by bench/repair_heal.py (its base row, or its plain cut:
+    a written checkpoint, equal to the in-memory removal), so no model is evaluated twice."""
+    for path in sorted((RESULTS.parent).glob(f"repair_heal-{alias}-*.json")):
+        other = json.loads(path.read_text())
+        setting = other["setting"]
+        if setting["limit"] != limit or setting["tasks"] != ACCURACY_TASKS.split(","):
+            continue
+        for row in other["rows"]:
+            cut = [] if row["row"] == "base" else setting["removed"] if row["row"] == "plain" else None
+            if cut == removed and "accuracy" in row:
+                return {"removed": removed, "limit": limit, "from": f"{path.name} ({row['row']} row)",
+                        "metrics": {task: {"acc": value} for task, value in row["accuracy"].items()}}
+    return None
+
+
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 PEERS = ("bi", "angular", "tappa-0.3", "last")  # the issue's bar: the default must be no worse than the best of these
-LABELS = {"guided": "guided (default)", "tappa-0.3": "tappa (beta 0.3, as published)", "ppl": "ppl (SLEB greedy)",
+LABELS = {"halving": "halving (default)", "guided": "guided (issue 5's default)", "tappa-0.3": "tappa (beta 0.3, as published)", "ppl": "ppl (SLEB greedy)",
           "random": "random (mean of 5 seeds)"}
 
 
@@ -289,8 +349,8 @@ def measured(results: dict) -> list[tuple[str, dict]]:
 
 
 def default_removal(results: dict, alias: str, drop: int) -> list[int]:
-    """The layers the default criterion (guided) removed from `alias` at `drop`, as measured here."""
-    return results[alias]["configs"]["guided"]["drops"][str(drop)]["removed"]
+    """The layers the default criterion removed from `alias` at `drop`, as measured here."""
+    return results[alias]["configs"][DEFAULT]["drops"][str(drop)]["removed"]
 
 
 def fmt(value: float) -> str:
@@ -312,7 +372,7 @@ def report_markdown(results: dict) -> str:
         out.append(f"\n### {alias}: WikiText-2 perplexity after removing N layers (base {entry['base']:.2f})\n")
         out.append("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " | selection s (all N) |")
         out.append("|---|" + "---|" * (len(drops) + 1))
-        order = ["guided", "qsim", "tappa-0.1", "tappa-0.3", "tappa-1", "bi", "angular", "last", "ppl", "random"]
+        order = ["halving", "guided", "qsim", "tappa-0.1", "tappa-0.3", "tappa-1", "bi", "angular", "last", "ppl", "random"]
         order += [name for name in configs if name not in order]
         for name in order:
             if name not in configs:
@@ -326,7 +386,7 @@ def report_markdown(results: dict) -> str:
         out.append("| best of bi, angular, tappa, last | " + " | ".join(fmt(v) for v in best) + " | |")
         if ours:
             verdict = ["yes" if o <= b * (1 + 1e-9) else f"no (+{100 * (o / b - 1):.1f}%)" for o, b in zip(ours, best)]
-            out.append("| guided no worse? | " + " | ".join(verdict) + " | |")
+            out.append("| guided no worse? (issue 5's bar) | " + " | ".join(verdict) + " | |")
         out.append(f"\nRemoved layers (0-based):\n")
         out.append("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " |")
         out.append("|---|" + "---|" * len(drops))
@@ -365,6 +425,87 @@ def report_markdown(results: dict) -> str:
     return "\n".join(out).strip("\n")
 
 
+SEARCH_ROWS = ("guided", "bi", "angular", "ppl", "halving", "halving-patch")
+
+
+def search_markdown(results: dict) -> str:
+    """Issue 14's evidence: every search plain and patched at each drop count, selection time, goals."""
+    out: list[str] = []
+    for alias, entry in measured(results):
+        drops, configs = MODELS[alias], entry["configs"]
+        if DEFAULT not in configs or "ppl" not in configs:
+            continue
+        out.append(f"\n{alias} (base {entry['base']:.2f}): WikiText-2 perplexity after removing N layers, plain cut / "
+                   "after `--patch`'s fit; selection seconds at each N (measured alone)\n")
+        out.append("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " | " + " | ".join(f"s at N = {d}" for d in drops) + " |")
+        out.append("|---|" + "---|" * (2 * len(drops)))
+        for name in SEARCH_ROWS:
+            if name not in configs:
+                continue
+            row = configs[name]
+            cells = []
+            for d in drops:
+                cell = row["drops"].get(str(d), {})
+                patched = f" / {fmt(cell['patched_ppl'])}" if "patched_ppl" in cell else ""
+                cells.append(f"{fmt(cell['ppl'])}{patched}" if cell else "-")
+            seconds = row.get("select_seconds_by_drop", {})
+            if name == "ppl":  # one greedy run to the largest N gives every smaller N
+                times = [f"{row['select_seconds']:.0f} (all N)" if d == max(drops) else "" for d in drops]
+            elif seconds:
+                mark = "†" if row.get("threads") == 1 else ""
+                times = [f"{seconds[str(d)] if str(d) in seconds else seconds[d]:.0f}{mark}" for d in drops]
+            else:
+                times = ["" for d in drops]
+            label = {"halving-patch": "halving, judged after the patch (`--patch`)", DEFAULT: f"{DEFAULT} (default)"}
+            out.append(f"| {label.get(name, LABELS.get(name, name))} | " + " | ".join(cells) + " | " + " | ".join(times) + " |")
+    if any(row.get("threads") == 1 for _, entry in measured(results) for row in entry["configs"].values()):
+        out.append("\n† measured on one thread (the other core ran another benchmark); the others on two.")
+    goals = search_goals(results)
+    if goals:
+        out.append("\nAgainst issue 14's goals:\n")
+        out.extend(goals)
+    return "\n".join(out).strip("\n")
+
+
+def search_goals(results: dict) -> list[str]:
+    """Each goal checked against the measured rows: met, or missed by how much."""
+    lines = []
+    for alias, entry in measured(results):
+        configs = entry["configs"]
+        if DEFAULT not in configs or "ppl" not in configs:
+            continue
+        drops = MODELS[alias]
+        ours = [configs[DEFAULT]["drops"][str(d)]["ppl"] for d in drops]
+        sleb = [configs["ppl"]["drops"][str(d)]["ppl"] for d in drops]
+        same = [configs[DEFAULT]["drops"][str(d)]["removed"] == configs["ppl"]["drops"][str(d)]["removed"] for d in drops]
+        verdicts = [f"N = {d}: " + ("the same layers" if alike else f"{o:.2f} against {b:.2f}"
+                                     + ("" if o <= b else f" (**missed** by {100 * (o / b - 1):.2f}%)"))
+                    for d, o, b, alike in zip(drops, ours, sleb, same)]
+        met = all(alike or o <= b for o, b, alike in zip(ours, sleb, same))
+        lines.append(f"- {alias}: no worse than SLEB at every N ({'**met**' if met else '**missed**'}): " + "; ".join(verdicts) + ".")
+        deepest = max(drops)
+        by_drop = configs[DEFAULT].get("select_seconds_by_drop", {})
+        mine = by_drop.get(str(deepest), by_drop.get(deepest))
+        if mine is not None:
+            share = mine / configs["ppl"]["select_seconds"]
+            lines.append(f"- {alias}: selection time at N = {deepest} at most 25% of SLEB's: {mine:.0f} s against "
+                         f"{configs['ppl']['select_seconds']:.0f} s, {100 * share:.0f}% ({'**met**' if share <= 0.25 else '**missed**'}).")
+        gain = 0.0 if same[-1] else 1 - ours[-1] / sleb[-1]
+        lines.append(f"- {alias}, stretch: at least 10% better than SLEB at N = {deepest}: "
+                     + ("the same layers" if same[-1] else f"{100 * gain:+.1f}%") + f" ({'**met**' if gain >= 0.10 else '**missed**'}).")
+        accuracy = entry.get("accuracy", {})
+        middle = MODELS[alias][1]
+        peers = {name: accuracy.get(f"{name}@{middle}") for name in ("bi", "angular", "ppl")}
+        mine = accuracy.get(f"{DEFAULT}@{middle}")
+        if mine is not None and all(peers.values()):
+            mean = lambda row: statistics.mean(row["metrics"][t]["acc"] for t in ACCURACY_TASKS.split(","))
+            best = max(peers, key=lambda n: mean(peers[n]))
+            ok = mean(mine) >= mean(peers[best]) - 0.01
+            lines.append(f"- {alias}: mean accuracy at N = {middle} no worse than the best of BI, angular and SLEB minus "
+                         f"0.01: {mean(mine):.3f} against {best} {mean(peers[best]):.3f} ({'**met**' if ok else '**missed**'}).")
+    return lines
+
+
 def plot(results: dict) -> None:
     import matplotlib
 
@@ -374,10 +515,10 @@ def plot(results: dict) -> None:
     models = measured(results)
     figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5))
     axes = [axes] if len(models) == 1 else axes
-    styles = {"guided": ("black", "-", 2.5), "ppl": ("tab:gray", "--", 1.5), "random": ("tab:gray", ":", 1.5)}
+    styles = {DEFAULT: ("black", "-", 2.5), "ppl": ("tab:gray", "--", 1.5), "random": ("tab:gray", ":", 1.5)}
     for axis, (alias, entry) in zip(axes, models):
         drops = (0,) + MODELS[alias]
-        for name in ["guided", "qsim", "tappa-0.3", "bi", "angular", "last", "ppl", "random"]:
+        for name in [DEFAULT, "guided", "qsim", "tappa-0.3", "bi", "angular", "last", "ppl", "random"]:
             if name not in entry["configs"]:
                 continue
             values = [entry["base"]] + [entry["configs"][name]["drops"][str(d)]["ppl"] for d in drops[1:]]

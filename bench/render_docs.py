@@ -81,7 +81,7 @@ def default_drop(quality: dict) -> str:
     removed = importlib.import_module("quality").default_removal(quality, alias, drop)
     return (f"With the C4 sample as calibration (`--calib ../shared/data/c4_en_sample_1000.jsonl`, 16 windows x 512 "
             f"tokens, as `bench/quality.py` scores), `prunetool prune --drop {drop}` with the default criterion "
-            f"(`guided`) removes layers **{', '.join(map(str, removed))}** of {alias}'s "
+            f"(`{importlib.import_module('quality').DEFAULT}`) removes layers **{', '.join(map(str, removed))}** of {alias}'s "
             f"{len(quality[alias]['scores']['c4']['layers'])} (`bench/results/quality.json`). Another calibration "
             f"text (the default is the model's own) may choose other layers; `prunetool prune --drop {drop} "
             f"--dry-run` prints the choice before anything is written.")
@@ -133,6 +133,8 @@ REGIONS: dict[str, Region] = {
                                     stamped("repair_heal")),
     "repair-heal-smollm2-9": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-9.json",),
                                     stamped("repair_heal")),
+    "repair-heal-gemma3-4": Region("bench/repair_heal.py", ("repair_heal-gemma3-270m-4.json",),
+                                   stamped("repair_heal")),
     "repair-heal-goals": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6.json",),
                                 lambda r: importlib.import_module("repair_heal").goals(r)),
     "heal-step": Region("bench/heal_step.py", ("heal_step.json",), stamped("heal_step")),
@@ -142,6 +144,8 @@ REGIONS: dict[str, Region] = {
     "qsim-cost": Region("bench/qsim_cost.py", ("qsim_cost.json",), stamped("qsim_cost")),
     "score-memory": Region("bench/score_memory.py", ("score_memory.json",), stamped("score_memory")),
     "score-reference": Region("bench/score_reference.py", ("score_reference.json",), stamped("score_reference")),
+    "search": Region("bench/quality.py", ("quality.json",), lambda r: importlib.import_module("quality").search_markdown(r)),
+    "cut-engine-speed": Region("bench/cut_engine_speed.py", ("cut_engine_speed.json",), stamped("cut_engine_speed")),
     "default-drop": Region("bench/quality.py", ("quality.json",), default_drop),
     "heads-cost": Region("bench/heads_results.py", tuple(f"heads-{m}.json" for m in HEADS_MODELS), heads_cost),
     "heads-removed-smollm2": Region("bench/heads_results.py", ("quality.json", "heads-smollm2.json"), removed_heads),

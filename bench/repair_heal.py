@@ -14,9 +14,9 @@ windows, then heal's training text right after them, all from one stream, never 
 on text (the heal learning rate, below) are made on prune's C4 held-out windows, never on WikiText-2 or
 the tasks. Layers are the default criterion's choice for that cut, read from bench/results/quality.json.
 
-Rows (--rows, comma-separated): `plain`, `patch`, and `[patch+]MODE@TOKENS[/lr=X]` where MODE is `heal`
-(forward KL, LoRA) or `ce` (cross-entropy only, LoRA: Gromov et al.'s and Shortened LLaMA's healing),
-TOKENS like 100k or 1m. Results are written after every row, so a long run leaves what it finished.
+Rows (--rows, comma-separated): `plain`, `patch`, and `[patch+]MODE@TOKENS[/lr=X][/ce=W]` where MODE is
+`heal` (forward KL, LoRA; /ce=W mixes in cross-entropy at weight W) or `ce` (cross-entropy only, LoRA:
+Gromov et al.'s and Shortened LLaMA's healing), TOKENS like 100k or 1m. Results are written after every row, so a long run leaves what it finished.
 
 Run:   nice .venv/bin/python bench/repair_heal.py --model smollm2-135m --drop 6
 Writes bench/results/repair_heal-MODEL-DROP.json (--name to change).
@@ -41,7 +41,7 @@ DATA = ROOT.parent / "shared" / "data"
 C4 = DATA / "c4_en_sample_1000.jsonl"
 TASKS = "lambada_openai,arc_easy,piqa,winogrande"
 EVAL_SEQ_LEN, EVAL_WINDOWS = 512, 16
-ROW = re.compile(r"^(?P<patch>patch\+)?(?P<mode>heal|ce)@(?P<tokens>\d+(?:\.\d+)?[km]?)(?:/lr=(?P<lr>[0-9.e-]+))?$")
+ROW = re.compile(r"^(?P<patch>patch\+)?(?P<mode>heal|ce)@(?P<tokens>\d+(?:\.\d+)?[km]?)(?:/lr=(?P<lr>[0-9.e-]+))?(?:/ce=(?P<ce>[0-9.]+))?$")
 
 
 def parse_tokens(text: str) -> int:
@@ -49,9 +49,16 @@ def parse_tokens(text: str) -> int:
     return int(float(text.rstrip("km")) * scale)
 
 
-def default_layers(model: str, drop: int) -> list[int]:
+def ce_weight_of(match: re.Match) -> float:
+    """Cross-entropy share of a heal row's loss: all of it for `ce`, /ce=W (default none) for `heal`."""
+    if match["mode"] == "ce":
+        return 1.0
+    return float(match["ce"]) if match["ce"] else 0.0
+
+
+def default_layers(model: str, drop: int, criterion: str) -> list[int]:
     quality = json.loads((ROOT / "bench" / "results" / "quality.json").read_text())
-    return quality[model]["configs"]["guided"]["drops"][str(drop)]["removed"]
+    return quality[model]["configs"][criterion]["drops"][str(drop)]["removed"]
 
 
 def accuracy_of(report: dict) -> dict[str, float]:
@@ -66,7 +73,15 @@ def label_of(row: str) -> str:
         return {"base": "base", "plain": "plain cut", "patch": "`--patch`"}[row]
     match = ROW.match(row)
     what = {"heal": "heal (KL)", "ce": "CE-only LoRA"}[match["mode"]]
+    if match["mode"] == "heal" and match["ce"]:
+        what = f"heal (KL + {float(match['ce']):g} CE)"
     return f"{'patch + ' if match['patch'] else ''}{what}{'' if match['patch'] else ' alone'}, {match['tokens']} tokens"
+
+
+def row_label(row: dict, default_lr: float) -> str:
+    """label_of, plus the learning rate where it is not the default."""
+    label = label_of(row["row"])
+    return label if "lr" not in row or row["lr"] == default_lr else f"{label} (lr {row['lr']:g})"
 
 
 def cost_of(row: dict) -> str:
@@ -89,12 +104,13 @@ def table(results: dict) -> str:
     lines = ([f"Earlier rows of this file: {'; '.join(earlier)}.", ""] if earlier else []) + [f"{setting['model']}, layers {', '.join(map(str, setting['removed']))} removed ({setting['criterion']}). "
              f"Heal: LoRA r={heal['lora_rank']} on every projection, {heal['batch_size']} x {heal['seq_len']}-token "
              f"windows per step, {heal['dtype']} autocast, learning rate in the row or {heal['default_lr']:g}. "
-             f"Tasks: lm-eval, first {setting['limit']} documents, acc.", "",
+             + (f"Tasks: lm-eval, first {setting['limit']} documents, acc." if tasks else "No lm-eval tasks (perplexity only).")
+             + f" Torch threads: {setting['threads']}.", "",
              "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = rows[0]["wikitext2_perplexity"]
+    notes: list[str] = []
     for row in rows:
-        label = label_of(row["row"])
-        cells = [label if "lr" not in row or row["lr"] == heal["default_lr"] else f"{label} (lr {row['lr']:g})",
+        cells = [row_label(row, heal["default_lr"]),
                  f"{row['wikitext2_perplexity']:.2f}", f"{row['wikitext2_perplexity'] / base:.2f}",
                  f"{100 * row['gap_recovered']:.1f}%" if "gap_recovered" in row else ""]
         if tasks:
@@ -102,8 +118,11 @@ def table(results: dict) -> str:
             cells.append(f"{row['mean_accuracy']:.3f}" if "mean_accuracy" in row else "")
             recovered = row.get("accuracy_recovered")
             cells.append(f"{100 * recovered:.0f}%" if recovered is not None else "")
-        cells.append(cost_of(row))
+        cells.append(cost_of(row) + (f" ({len(notes) + 1})" if "note" in row else ""))
+        if "note" in row:
+            notes.append(row["note"])
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + [f"({number}) {note}." for number, note in enumerate(notes, 1)] if notes else []
     return "\n".join(lines)
 
 
@@ -148,14 +167,21 @@ def goals(results: dict) -> str:
         ratio = short["wikitext2_perplexity"] / base["wikitext2_perplexity"]
         lines.append(f"- patch + heal at 100k tokens beats the naive floor of 1.58x the base: {ratio:.2f}x "
                      f"({verdict(ratio < 1.58)}).")
-    pairs = [(name, name.replace("heal@", "ce@")) for name in rows if "heal@" in name and name.replace("heal@", "ce@") in rows]
-    for kl, ce in pairs:
-        a, b = rows[kl], rows[ce]
-        ok = a["wikitext2_perplexity"] < b["wikitext2_perplexity"] and a.get("mean_accuracy", 0) >= b.get("mean_accuracy", 0)
-        lines.append(f"- distillation beats cross-entropy LoRA at equal tokens ({label_of(kl)} against {label_of(ce)}): "
-                     f"WikiText-2 {a['wikitext2_perplexity']:.2f} against {b['wikitext2_perplexity']:.2f}, mean accuracy "
-                     f"{a.get('mean_accuracy', float('nan')):.3f} against {b.get('mean_accuracy', float('nan')):.3f} "
-                     f"({verdict(ok)}).")
+    for ce in (name for name in rows if ROW.match(name) and ROW.match(name)["mode"] == "ce"):
+        same = [name for name in rows if ROW.match(name) and ROW.match(name)["mode"] == "heal"
+                and ROW.match(name)["patch"] == ROW.match(ce)["patch"]
+                and parse_tokens(ROW.match(name)["tokens"]) == parse_tokens(ROW.match(ce)["tokens"])]
+        if not same:
+            continue
+        b = rows[ce]
+        tried = "; ".join(f"{row_label(rows[name], results['setting']['heal']['default_lr'])}: "
+                          f"{rows[name]['wikitext2_perplexity']:.2f}, {rows[name].get('mean_accuracy', float('nan')):.3f}"
+                          for name in same)
+        ok = any(rows[name]["wikitext2_perplexity"] < b["wikitext2_perplexity"]
+                 and rows[name].get("mean_accuracy", 0) >= b.get("mean_accuracy", 0) for name in same)
+        lines.append(f"- distillation beats cross-entropy LoRA at equal tokens: {label_of(ce)} "
+                     f"{b['wikitext2_perplexity']:.2f} WikiText-2, {b.get('mean_accuracy', float('nan')):.3f} mean accuracy; "
+                     f"distillation rows (WikiText-2, mean accuracy): {tried} ({verdict(ok)}).")
     speeds = [f"{label_of(name)} {row['tokens_per_second']:.0f}" for name, row in rows.items() if "tokens_per_second" in row]
     if speeds:
         lines.append(f"- heal throughput on this CPU (tokens/s, {results['setting']['heal']['dtype']} autocast, 2 threads): "
@@ -191,6 +217,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--drop", type=int, default=6)
+    parser.add_argument("--criterion", default="halving",
+                        help="whose choice of layers (bench/results/quality.json): the default criterion, halving "
+                             "since issue 14 (guided before it)")
     parser.add_argument("--rows", default="plain,patch,patch+heal@100k,patch+ce@100k,heal@100k,patch+heal@1m")
     parser.add_argument("--limit", type=int, default=500)
     parser.add_argument("--no-tasks", action="store_true", help="perplexity only (the learning-rate sweep)")
@@ -222,7 +251,7 @@ def main() -> None:
     base_path = resolve_model(args.model).path  # converted once, in the user's cache
     work = Path(args.work or tempfile.mkdtemp(prefix="prunetool-repair-"))
     os.environ[CACHE_ENV] = str(work / "cache")  # the bench's prunes never replace the user's current run
-    layers = default_layers(args.model, args.drop)
+    layers = default_layers(args.model, args.drop, args.criterion)
     rows_wanted = args.rows.split(",")
     for row in rows_wanted:
         if row not in ("plain", "patch") and not ROW.match(row):
@@ -269,7 +298,7 @@ def main() -> None:
         return folders[key]
 
     results = {"setting": {"model": args.model, "base_path": str(base_path), "drop": args.drop,
-                           "removed": layers, "criterion": "guided (bench/results/quality.json)",
+                           "removed": layers, "criterion": f"{args.criterion} (bench/results/quality.json)",
                            "calibration": {"file": C4.name, "seq_len": 256, "selection_windows": args.samples,
                                            "patch_windows": args.samples},
                            "eval": {"file": "wikitext2-test.raw", "seq_len": EVAL_SEQ_LEN, "windows": EVAL_WINDOWS},
@@ -302,7 +331,7 @@ def main() -> None:
             start = pruned(bool(match["patch"]))
             lr = float(match["lr"]) if match["lr"] else None
             request = HealRequest(model=start, tokens=tokens, seq_len=256, train="lora", lr=lr,
-                                  batch_size=args.batch_size, ce_weight=1.0 if match["mode"] == "ce" else 0.0,
+                                  batch_size=args.batch_size, ce_weight=ce_weight_of(match),
                                   output=work / row.replace("/", "_").replace("+", "_").replace("@", "_"),
                                   force=True, dtype=args.heal_dtype, device="cpu")
             healed = run_heal(request, console)
@@ -310,6 +339,7 @@ def main() -> None:
             folder = healed["output"]
             entry = {"row": row, "start": "patch" if match["patch"] else "plain", "mode": match["mode"],
                      "tokens": heal["tokens"], "steps": heal["steps"], "lr": heal["lr"],
+                     "ce_weight": ce_weight_of(match),
                      "heal_seconds": heal["seconds"], "tokens_per_second": heal["tokens_per_second"],
                      "c4_held_out_perplexity": heal["perplexity"], "loss_summary": heal["loss_summary"]}
         entry |= judge(folder)
