@@ -146,6 +146,7 @@ REGIONS: dict[str, Region] = {
     "score-reference": Region("bench/score_reference.py", ("score_reference.json",), stamped("score_reference")),
     "search": Region("bench/quality.py", ("quality.json",), lambda r: importlib.import_module("quality").search_markdown(r)),
     "cut-engine-speed": Region("bench/cut_engine_speed.py", ("cut_engine_speed.json",), stamped("cut_engine_speed")),
+    "dry-run-time": Region("bench/dry_run_time.py", ("dry_run_time.json",), stamped("dry_run_time")),
     "default-drop": Region("bench/quality.py", ("quality.json",), default_drop),
     "heads-cost": Region("bench/heads_results.py", tuple(f"heads-{m}.json" for m in HEADS_MODELS), heads_cost),
     "heads-removed-smollm2": Region("bench/heads_results.py", ("quality.json", "heads-smollm2.json"), removed_heads),
