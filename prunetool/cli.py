@@ -228,7 +228,7 @@ def score(
         from prunetool.plots import plot_layer_scores
 
         plot_layer_scores(data, plot, removed=marked, title=f"{scores.model}: the {count} lowest-ranked layers marked",
-                          band_label="marked: where prune --drop starts")
+                          band_label="marked: lowest-ranked by the scores")
     if json_out:
         typer.echo(json.dumps(data))
     else:
@@ -237,9 +237,9 @@ def score(
         out.print(f"calibration: {calibration['source']} (sha256 {calibration['sha256'][:12]}…), "
                   f"{calibration['windows']} windows x {calibration['seq_len']} tokens, stride {calibration['stride']}",
                   highlight=False, soft_wrap=True)
-        out.print(f"marked: the {count} lowest-ranked layers (rank(BI) + {GUIDED_BETA} * (1 - rank(q-sim))), where `prunetool prune "
-                  f"--drop {count}` starts; it measures these and a few alternatives before choosing", highlight=False,
-                  soft_wrap=True)
+        out.print(f"marked: the {count} lowest-ranked layers (rank(BI) + {GUIDED_BETA} * (1 - rank(q-sim))), what the scores "
+                  f"predict; `prunetool prune --drop {count}` measures candidate cuts instead and may choose others",
+                  highlight=False, soft_wrap=True)
     timings["total"] = time.perf_counter() - started
     err.print("time: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()), highlight=False)
     for what, path in (("scores", output), ("plot", plot)):
