@@ -44,18 +44,15 @@ def patched_perplexities(model, cuts: Iterable[Sequence[int]], fit_windows: torc
     from prunetool.in_memory import layers_removed
     from prunetool.perplexity import perplexity
 
-    cuts = [tuple(sorted(cut)) for cut in cuts]
-    sites = {}
-    for cut in cuts:
-        for site in plan_sites(model, cut):
-            sites.setdefault((site.first, site.last), site)
+    sites_of = {tuple(sorted(cut)): plan_sites(model, sorted(cut)) for cut in cuts}
+    sites = {(site.first, site.last): site for cut_sites in sites_of.values() for site in cut_sites}
     data = capture_runs(model, fit_windows, list(sites.values()), objective, batch_size=batch_size)
     fitted = {(patch_data.site.first, patch_data.site.last): patch
               for patch_data, patch in zip(data, fit_runs(model, data, objective))}
     out = {}
-    for cut in cuts:
+    for cut, cut_sites in sites_of.items():
         tensors = {}
-        for site in plan_sites(model, cut):
+        for site in cut_sites:
             tensors |= fitted[(site.first, site.last)].tensors
         with tensors_replaced(model, tensors), layers_removed(model, cut):
             out[cut] = perplexity(model, judge_windows, batch_size=batch_size)
