@@ -11,7 +11,9 @@
 #
 # Every setting is an environment variable (defaults in brackets): OUT [a new temp folder], MODEL
 # [smollm2-135m], DTYPE [bfloat16], DEVICE [cuda], SAMPLES [8], DROP [6], HEAD_SAMPLES [2], LIMIT [10],
-# SEQ_LEN [the tool's default], CALIB [the model's own generated text], BUDGET [480 seconds for all steps together; each step gets what is left].
+# SEQ_LEN [the tool's default], CALIB [the model's own generated text], BUDGET [480 seconds for all steps together; each step gets what is left],
+# RESULTS [unset; a NAME writes the summary to bench/results/NAME.json for docs/pruning.md], REPAIR [unset; N adds
+# --patch to prune and a heal of N tokens after it: the repair path on the device].
 # Each step's stdout goes to $OUT/<step>.out and its stderr to $OUT/<step>.log; a failing step is named
 # on stderr (gpu_check: FAILED at step '...') after the end of its output, and the script exits 1.
 set -euo pipefail
@@ -75,7 +77,13 @@ step() {
 step score "${PRUNETOOL[@]}" score "$MODEL" "${COMMON[@]}" --samples "$SAMPLES" "${SEQ[@]}" \
     --output-file "$OUT/scores.json"
 # MODEL omitted: the current run (the scores just computed) is the starting point.
-step prune "${PRUNETOOL[@]}" prune --drop "$DROP" "${COMMON[@]}" --output-dir "$OUT/pruned" --force --json
+PATCH=()
+[[ -n "${REPAIR:-}" ]] && PATCH=(--patch --patch-windows 16)
+step prune "${PRUNETOOL[@]}" prune --drop "$DROP" "${COMMON[@]}" "${PATCH[@]}" --output-dir "$OUT/pruned" --force --json
+if [[ -n "${REPAIR:-}" ]]; then  # the repair on the device: the patch above, then a short heal of it
+    step heal "${PRUNETOOL[@]}" heal --tokens "$REPAIR" --seq-len 256 --batch-size 4 "${COMMON[@]}" \
+        --output-dir "$OUT/healed" --force --json
+fi
 step heads "${PRUNETOOL[@]}" heads "$MODEL" "${COMMON[@]}" --samples "$HEAD_SAMPLES" "${HEAD_SEQ[@]}" \
     --output-dir "$OUT/heads" --force
 step eval "${PRUNETOOL[@]}" eval --tasks heldout_ppl,hop_name --limit "$LIMIT" "${COMMON[@]}" \
@@ -101,4 +109,20 @@ print(f"removed {record['removed']}; held-out ppl {ppl['before']:.3f} -> {ppl['a
 EOF
 ) || { echo "gpu_check: FAILED at step 'summary': could not read the reports in $OUT" >&2; exit 1; }
 
-echo "gpu_check: OK, $DTYPE on $DEVICE, $MODEL, $((SECONDS - START))s of ${BUDGET}s (${TIMES[*]}); $NUMBERS; outputs in $OUT"
+SUMMARY="gpu_check: OK, $DTYPE on $DEVICE, $MODEL, $((SECONDS - START))s of ${BUDGET}s (${TIMES[*]}); $NUMBERS"
+echo "$SUMMARY; outputs in $OUT"
+if [[ -n "${RESULTS:-}" ]]; then  # RESULTS=NAME: the summary as bench/results/NAME.json, for the docs
+    "$PYTHON" - "$RESULTS" "$SUMMARY" "$DEVICE" "$DTYPE" "$MODEL" <<'EOF'
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path("bench").resolve()))
+import torch
+from provenance import write_results
+
+name, summary, device, dtype, model = sys.argv[1:6]
+sys.argv = [str(Path("bench/gpu_check.sh").resolve())]  # provenance names the script, not this snippet
+hardware = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+write_results(name, {"summary": summary, "device": device, "hardware": hardware, "dtype": dtype, "model": model})
+EOF
+fi

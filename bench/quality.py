@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -57,7 +58,7 @@ def load_results() -> dict:
 
 def save_results(results: dict) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".tmp")
+    tmp = RESULTS.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(results, indent=1) + "\n")
     tmp.replace(RESULTS)
 
@@ -112,8 +113,11 @@ def main() -> None:
                         help="also run guided on the other calibration texts and report how its choice moves")
     parser.add_argument("--patched", action="store_true",
                         help="also measure every selection after --patch's fit (on the calibration windows)")
-    parser.add_argument("--accuracy", action="store_true")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="lm-eval accuracy at the middle drop count; with --only none, nothing else is measured")
     parser.add_argument("--accuracy-limit", type=int, default=500)
+    parser.add_argument("--accuracy-configs", default=None,
+                        help="comma-separated: only these (criteria, or base), e.g. to split them over processes")
     args = parser.parse_args()
     if args.report:
         report(load_results())
@@ -153,6 +157,9 @@ def run_model(alias: str, args) -> None:
         entry["eval"] = evals.describe()
         save_results(results)
     log(f"{alias}: base perplexity {entry['base']:.2f}")
+    if args.accuracy and args.only == "none":  # accuracy of the recorded cuts alone: no calibration text needed
+        run_accuracy(alias, model, tokenizer, entry, results, args.accuracy_limit, accuracy_names(args))
+        return
 
     calibrations, scores = {}, {}
     for label, file in CALIBRATIONS.items():
@@ -217,7 +224,7 @@ def run_model(alias: str, args) -> None:
             log(f"{alias}: guided on {label} calibration: " + "  ".join(f"{d}:{chosen[d]}" for d in drops))
     save_results(results)
     if args.accuracy:
-        run_accuracy(alias, model, tokenizer, entry, results, args.accuracy_limit)
+        run_accuracy(alias, model, tokenizer, entry, results, args.accuracy_limit, accuracy_names(args))
 
 
 PATCHED_CONFIGS = ("guided", "qsim", "tappa-0.3", "bi", "angular", "last", "ppl", "halving", "halving-patch")
@@ -278,10 +285,22 @@ def overlap(a, b) -> float:
     return len(set(a) & set(b)) / len(a)
 
 
-ACCURACY_CONFIGS = ("guided", "bi", "angular", "ppl", "halving")  # at the middle drop count, beside the base model
+ACCURACY_CONFIGS = ("halving", "ppl", "guided", "bi", "angular")  # at the middle drop count, beside the base model
 
 
-def run_accuracy(alias, model, tokenizer, entry, results, limit: int) -> None:
+def accuracy_names(args) -> tuple[str, ...] | None:
+    return tuple(args.accuracy_configs.split(",")) if args.accuracy_configs else None
+
+
+def save_accuracy(alias: str, key: str, row: dict) -> None:
+    """One accuracy row into the results file as it is now, so runs on other configs (other processes,
+    `--accuracy-configs`) keep theirs."""
+    fresh = load_results()
+    fresh[alias].setdefault("accuracy", {})[key] = row
+    save_results(fresh)
+
+
+def run_accuracy(alias, model, tokenizer, entry, results, limit: int, names: tuple[str, ...] | None = None) -> None:
     """lm-eval accuracy (local task copies) for the base and the ACCURACY_CONFIGS at the middle drop count."""
     from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, make_lm
     from prunetool.evaluation.tasks import plan_tasks
@@ -290,7 +309,7 @@ def run_accuracy(alias, model, tokenizer, entry, results, limit: int) -> None:
     plans, managers = plan_tasks(ACCURACY_TASKS.split(","), DATA), TaskManagers(DATA)
     middle = str(MODELS[alias][1])
     table = entry.setdefault("accuracy", {})
-    for name in ("base",) + ACCURACY_CONFIGS:
+    for name in names or ACCURACY_CONFIGS + ("base",):  # the default first, the base last: a cut-short run keeps what matters
         removed = [] if name == "base" else entry["configs"][name]["drops"][middle]["removed"]
         key = "base" if name == "base" else f"{name}@{middle}"
         if table.get(key, {}).get("limit") == limit and table[key].get("removed") == removed:
@@ -299,12 +318,12 @@ def run_accuracy(alias, model, tokenizer, entry, results, limit: int) -> None:
                      and "same_as" not in row), None)
         if twin is not None:  # another criterion chose the same layers: the same model, evaluated once
             table[key] = {**table[twin], "same_as": twin}
-            save_results(results)
+            save_accuracy(alias, key, table[key])
             continue
         measured_there = repair_bench_accuracy(alias, removed, limit)
         if measured_there is not None:
             table[key] = measured_there
-            save_results(results)
+            save_accuracy(alias, key, table[key])
             continue
         started = time.perf_counter()
         with layers_removed(model, removed):
@@ -314,7 +333,7 @@ def run_accuracy(alias, model, tokenizer, entry, results, limit: int) -> None:
                    for task, values in merged["results"].items()}
         table[key] = {"removed": removed, "limit": limit, "metrics": metrics,
                       "seconds": round(time.perf_counter() - started, 1)}
-        save_results(results)
+        save_accuracy(alias, key, table[key])
         log(f"{alias}: accuracy {key} " + ", ".join(f"{t} {m.get('acc', float('nan')):.3f}" for t, m in metrics.items()))
 
 

@@ -16,7 +16,8 @@ the tasks. Layers are the default criterion's choice for that cut, read from ben
 
 Rows (--rows, comma-separated): `plain`, `patch`, and `[patch+]MODE@TOKENS[/lr=X][/ce=W]` where MODE is
 `heal` (forward KL, LoRA; /ce=W mixes in cross-entropy at weight W) or `ce` (cross-entropy only, LoRA:
-Gromov et al.'s and Shortened LLaMA's healing), TOKENS like 100k or 1m. Results are written after every row, so a long run leaves what it finished.
+Gromov et al.'s and Shortened LLaMA's healing), TOKENS like 100k or 1m; /ep=E reads TOKENS / E of text and
+passes over it E times (heal --epochs), for budgets beyond the 430k C4 tokens. Results are written after every row, so a long run leaves what it finished.
 
 Run:   nice .venv/bin/python bench/repair_heal.py --model smollm2-135m --drop 6
 Writes bench/results/repair_heal-MODEL-DROP.json (--name to change).
@@ -41,7 +42,8 @@ DATA = ROOT.parent / "shared" / "data"
 C4 = DATA / "c4_en_sample_1000.jsonl"
 TASKS = "lambada_openai,arc_easy,piqa,winogrande"
 EVAL_SEQ_LEN, EVAL_WINDOWS = 512, 16
-ROW = re.compile(r"^(?P<patch>patch\+)?(?P<mode>heal|ce)@(?P<tokens>\d+(?:\.\d+)?[km]?)(?:/lr=(?P<lr>[0-9.e-]+))?(?:/ce=(?P<ce>[0-9.]+))?$")
+ROW = re.compile(r"^(?P<patch>patch\+)?(?P<mode>heal|ce)@(?P<tokens>\d+(?:\.\d+)?[km]?)(?:/lr=(?P<lr>[0-9.e-]+))?"
+                 r"(?:/ce=(?P<ce>[0-9.]+))?(?:/ep=(?P<ep>\d+))?$")
 
 
 def parse_tokens(text: str) -> int:
@@ -75,7 +77,8 @@ def label_of(row: str) -> str:
     what = {"heal": "heal (KL)", "ce": "CE-only LoRA"}[match["mode"]]
     if match["mode"] == "heal" and match["ce"]:
         what = f"heal (KL + {float(match['ce']):g} CE)"
-    return f"{'patch + ' if match['patch'] else ''}{what}{'' if match['patch'] else ' alone'}, {match['tokens']} tokens"
+    passes = f" ({match['ep']} passes)" if match["ep"] and int(match["ep"]) > 1 else ""
+    return f"{'patch + ' if match['patch'] else ''}{what}{'' if match['patch'] else ' alone'}, {match['tokens']} tokens{passes}"
 
 
 def row_label(row: dict, default_lr: float) -> str:
@@ -105,7 +108,7 @@ def table(results: dict) -> str:
              f"Heal: LoRA r={heal['lora_rank']} on every projection, {heal['batch_size']} x {heal['seq_len']}-token "
              f"windows per step, {heal['dtype']} autocast, learning rate in the row or {heal['default_lr']:g}. "
              + (f"Tasks: lm-eval, first {setting['limit']} documents, acc." if tasks else "No lm-eval tasks (perplexity only).")
-             + f" Torch threads: {setting['threads']}.", "",
+             + f" Ran on: {setting.get('hardware') or 'cpu, ' + str(setting['threads']) + ' threads'}.", "",
              "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = rows[0]["wikitext2_perplexity"]
     notes: list[str] = []
@@ -141,7 +144,9 @@ def goals(results: dict) -> str:
                      f"({verdict(patch['gap_recovered'] >= 0.25)}); and does not lower mean accuracy: "
                      f"{plain['mean_accuracy']:.3f} -> {patch['mean_accuracy']:.3f} "
                      f"({verdict(patch['mean_accuracy'] >= plain['mean_accuracy'])}).")
-    long = rows.get("patch+heal@1m")
+    long = next((rows[name] for name in rows if ROW.match(name) and ROW.match(name)["patch"]
+                 and ROW.match(name)["mode"] == "heal" and not ROW.match(name)["ce"] and not ROW.match(name)["lr"]
+                 and parse_tokens(ROW.match(name)["tokens"]) == 1_000_000), None)
     if long is None:
         budgets = sorted((parse_tokens(ROW.match(name)["tokens"]), name) for name in rows
                          if ROW.match(name) and ROW.match(name)["patch"] and ROW.match(name)["mode"] == "heal")
@@ -153,13 +158,12 @@ def goals(results: dict) -> str:
                        f"{row['wikitext2_perplexity'] / base['wikitext2_perplexity']:.2f}x the base, "
                        f"{100 * (row.get('accuracy_recovered') or 0):.0f}% of the lost mean accuracy recovered.")
         lines.append("- patch + heal at 1M tokens within 1.3x of the base's perplexity, with at least 60% of the lost "
-                     "mean accuracy recovered: **not measured**: offline, the C4 sample holds 430k tokens after "
-                     "prune's windows, and the other local texts are evaluation sets or Shakespeare (heal reads its "
-                     "text once)." + nearest)
+                     "mean accuracy recovered: **not measured** in this file: the C4 sample holds 430k tokens after "
+                     "prune's windows, so 1M tokens needs `heal --epochs 3` (row `patch+heal@1m/ep=3`)." + nearest)
     else:
         ratio = long["wikitext2_perplexity"] / base["wikitext2_perplexity"]
         recovered = long.get("accuracy_recovered") or 0.0
-        lines.append(f"- patch + heal at 1M tokens within 1.3x of the base: {ratio:.2f}x ({verdict(ratio <= 1.3)}"
+        lines.append(f"- patch + heal at 1M tokens ({label_of(long['row'])}) within 1.3x of the base: {ratio:.2f}x ({verdict(ratio <= 1.3)}"
                      + ("" if ratio <= 1.3 else f" by {ratio - 1.3:.2f}x") + f"); at least 60% of the lost mean accuracy "
                      f"recovered: {100 * recovered:.0f}% ({verdict(recovered >= 0.6)}).")
     short = rows.get("patch+heal@100k")
@@ -184,7 +188,8 @@ def goals(results: dict) -> str:
                      f"distillation rows (WikiText-2, mean accuracy): {tried} ({verdict(ok)}).")
     speeds = [f"{label_of(name)} {row['tokens_per_second']:.0f}" for name, row in rows.items() if "tokens_per_second" in row]
     if speeds:
-        lines.append(f"- heal throughput on this CPU (tokens/s, {results['setting']['heal']['dtype']} autocast, 2 threads): "
+        where = results["setting"].get("hardware") or "this CPU, 2 threads"
+        lines.append(f"- heal throughput on {where} (tokens/s, {results['setting']['heal']['dtype']} autocast): "
                      + "; ".join(speeds) + ".")
     return "\n".join(lines)
 
@@ -207,7 +212,8 @@ def reuse_base(name: str, args) -> dict | None:
             continue
         other = json.loads(path.read_text())
         row = other["rows"][0]
-        same = (other["setting"]["limit"] == args.limit and bool(other["setting"]["tasks"]) != args.no_tasks)
+        same = (other["setting"]["limit"] == args.limit and bool(other["setting"]["tasks"]) != args.no_tasks
+                and other["setting"].get("device", "cpu") == args.device)
         if row["row"] == "base" and same:
             return row | {"reused_from": path.name}
     return None
@@ -229,6 +235,9 @@ def main() -> None:
                         help="heal's --dtype: bfloat16 trains float32 weights under bf16 autocast (AMX on this CPU)")
     parser.add_argument("--append", action="store_true",
                         help="add the rows to the existing results file (same setting), keeping its rows")
+    parser.add_argument("--note", default=None,
+                        help="a footnote for this run's rows (e.g. what else shared the machine while they ran)")
+    parser.add_argument("--device", default="cpu", help="where every row runs (cpu, or cuda when one is lent)")
     parser.add_argument("--name", default=None)
     parser.add_argument("--work", type=Path, default=None, help="where written folders go (default: a temp dir)")
     args = parser.parse_args()
@@ -257,12 +266,13 @@ def main() -> None:
         if row not in ("plain", "patch") and not ROW.match(row):
             parser.error(f"cannot read row {row!r}")
     threads = torch.get_num_threads()
+    hardware = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu, {threads} threads"
 
     evals_cache: dict = {}
 
     def judge(folder: str) -> dict:
         clock = time.perf_counter()
-        model, tokenizer = load_model(resolve_model(folder), dtype="float32", device="cpu")
+        model, tokenizer = load_model(resolve_model(folder), dtype="float32", device=args.device)
         if "windows" not in evals_cache:
             evals_cache["windows"] = load_calibration(str(DATA / "wikitext2-test.raw"), tokenizer,
                                                       seq_len=EVAL_SEQ_LEN, samples=EVAL_WINDOWS)
@@ -274,7 +284,7 @@ def main() -> None:
             clock = time.perf_counter()
             report = run_eval(EvalRequest(models=[folder], tasks=TASKS, data_dir=DATA, limit=args.limit,
                                           num_fewshot=None, batch_size="16", max_length=None, calibration={},
-                                          dtype="float32", device="cpu", trust_remote_code=False), console)
+                                          dtype="float32", device=args.device, trust_remote_code=False), console)
             accuracy = accuracy_of(next(iter(report["models"].values())))
             result |= {"accuracy": accuracy, "mean_accuracy": sum(accuracy.values()) / len(accuracy),
                        "eval_seconds": round(time.perf_counter() - clock, 1)}
@@ -282,7 +292,7 @@ def main() -> None:
         return result
 
     prune_common = dict(model=str(base_path), layers=",".join(map(str, layers)), calib=str(C4), seq_len=256,
-                        samples=args.samples, dtype="float32", device="cpu", force=True)
+                        samples=args.samples, dtype="float32", device=args.device, force=True)
     folders: dict[str, str] = {}
     prune_records: dict[str, dict] = {}
 
@@ -306,7 +316,7 @@ def main() -> None:
                            "heal": {"batch_size": args.batch_size, "seq_len": 256, "train": "lora",
                                     "dtype": args.heal_dtype,
                                     "lora_rank": 8, "default_lr": DEFAULT_LR["lora"]},
-                           "dtype": "float32", "device": "cpu", "threads": threads},
+                           "dtype": "float32", "device": args.device, "hardware": hardware, "threads": threads},
                "rows": []}
     existing = ROOT / "bench" / "results" / f"{name}.json"
     if args.append and existing.exists():
@@ -333,16 +343,20 @@ def main() -> None:
             request = HealRequest(model=start, tokens=tokens, seq_len=256, train="lora", lr=lr,
                                   batch_size=args.batch_size, ce_weight=ce_weight_of(match),
                                   output=work / row.replace("/", "_").replace("+", "_").replace("@", "_"),
-                                  force=True, dtype=args.heal_dtype, device="cpu")
+                                  epochs=int(match["ep"] or 1), force=True, dtype=args.heal_dtype,
+                                  device=args.device)
             healed = run_heal(request, console)
             heal = healed["heal"]
             folder = healed["output"]
             entry = {"row": row, "start": "patch" if match["patch"] else "plain", "mode": match["mode"],
-                     "tokens": heal["tokens"], "steps": heal["steps"], "lr": heal["lr"],
+                     "tokens": heal["tokens"], "epochs": heal["data"].get("epochs", 1), "steps": heal["steps"],
+                     "lr": heal["lr"],
                      "ce_weight": ce_weight_of(match),
                      "heal_seconds": heal["seconds"], "tokens_per_second": heal["tokens_per_second"],
                      "c4_held_out_perplexity": heal["perplexity"], "loss_summary": heal["loss_summary"]}
         entry |= judge(folder)
+        if args.note:
+            entry["note"] = args.note
         results["rows"] = [r for r in results["rows"] if r["row"] != row]
         entry["row_seconds"] = round(time.perf_counter() - clock, 1)
         gap = math.log(results["rows"][0]["wikitext2_perplexity"])

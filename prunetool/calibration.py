@@ -372,7 +372,10 @@ def _generate_batch(model, tokenizer, prompts: list[str], new_tokens: int, tick)
                               repetition_penalty=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               pad_token_id=pad, eos_token_id=eos)  # min_new_tokens: exact, predictable size
     with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+        from prunetool.loading import input_device
+
+        device = input_device(model)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              generation_config=config, logits_processor=LogitsProcessorList([_Tick(tick)]))
     return [tokenizer.decode(row[width - len(enc):], skip_special_tokens=True)
             for row, enc in zip(out.tolist(), encoded)]
@@ -384,7 +387,9 @@ def generate_self_text(model, tokenizer, path: Path, rung: int, label: str) -> N
 
     prompts = self_prompts()
     new_tokens = math.ceil(rung * GEN_MARGIN / len(prompts))
-    device = torch.device(model.device)
+    from prunetool.loading import input_device
+
+    device = input_device(model)
     start = time.monotonic()
     with _progress(len(prompts) * new_tokens, f"generating calibration text with {label}") as tick, \
             torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):

@@ -86,6 +86,12 @@ StrideOpt = Annotated[Optional[int], typer.Option("--stride", help="Tokens betwe
 SamplesOpt = Annotated[int, typer.Option("--samples", help="Number of windows (the first N full windows).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
+DeviceMapOpt = Annotated[Optional[str], typer.Option("--device-map", help="Spread the model with accelerate: auto, "
+                         "balanced, balanced_low_0 or sequential (GPUs, then the CPU, then --offload-dir).")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option("--max-memory", help="With --device-map: limits per device, "
+                         "e.g. 0=20GiB,1=20GiB,cpu=64GiB.")]
+OffloadOpt = Annotated[Optional[Path], typer.Option("--offload-dir", help="With --device-map: folder for the weights "
+                       "that fit no device (read back layer by layer).")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow a checkpoint's own Python code to run.")]
@@ -189,6 +195,9 @@ def score(
     samples: SamplesOpt = 16,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadOpt = None,
     batch_size: BatchOpt = 1,
     drop: Annotated[Optional[int], typer.Option("--drop", help="Mark the N lowest-ranked layers, where a default prune starts its search (default: a quarter).")] = None,
     low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
@@ -208,11 +217,16 @@ def score(
 
         check_plot_path(plot)
     from prunetool.commands.score import run_score
+    from prunetool.placement import placement_from_options
 
+    placement = placement_from_options(device_map, max_memory, offload_dir)
+    if placement is not None and low_memory:
+        raise OptionError("--low-memory never loads the model; --device-map places a loaded one: choose one")
     started = time.perf_counter()
     scores, timings = run_score(
         model, calib=calib, seq_len=seq_len, stride=stride, samples=samples, dtype=dtype, device=device,
         batch_size=batch_size, trust_remote_code=trust_remote_code, console=err, low_memory=low_memory, drop=drop,
+        placement=placement,
     )
     from prunetool.checkpoint_io import write_json_atomic
     from prunetool.ranking import GUIDED_BETA, default_drop_count, guided_importance, lowest
@@ -293,6 +307,9 @@ def prune(
                              "windows start after both). Default: 65536 tokens' worth (128 of 512).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadOpt = None,
     batch_size: BatchOpt = 1,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
@@ -304,9 +321,10 @@ def prune(
 
         check_plot_path(plot)
     from prunetool.commands.prune import PruneRequest, run_prune
+    from prunetool.placement import placement_from_options
     from prunetool.report import perplexity_table, plan_table
 
-    request = PruneRequest(
+    request = PruneRequest(placement=placement_from_options(device_map, max_memory, offload_dir),
         model=model, drop=drop, layers=one_of("--remove-layers", remove_layers, "--layers", old_layers),
         criterion=criterion, beta=beta, scores_file=scores, calib=calib, seq_len=seq_len, stride=stride,
         samples=samples, protect_first=protect_first, protect_last=protect_last,
@@ -347,6 +365,8 @@ def heal(
                                                         "run's pruned model.", show_default=False)] = None,
     tokens: Annotated[int, typer.Option("--tokens", help="Training budget in tokens (rounded up to whole steps of "
                       "batch-size x grad-accum windows).")] = 100_000,
+    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the training text: the budget reads "
+                      "tokens / epochs of text, each later pass in a new order.")] = 1,
     train: Annotated[str, typer.Option("--train", help="What trains: lora (adapters on every attention and MLP "
                      "projection, merged back), adjacent (the kept layers next to each cut) or all.")] = "lora",
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="The model to distil from (default: the base "
@@ -379,7 +399,7 @@ def heal(
     """Heal a pruned model by distilling its base's next-token distributions into it (forward KL)."""
     from prunetool.commands.heal import HealRequest, run_heal
 
-    request = HealRequest(model=model, teacher=teacher, calib=calib, tokens=tokens, seq_len=seq_len, train=train,
+    request = HealRequest(model=model, teacher=teacher, calib=calib, tokens=tokens, epochs=epochs, seq_len=seq_len, train=train,
                           lora_rank=lora_rank, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                           temperature=temperature, ce_weight=ce_weight, save_every=save_every, resume=resume,
                           output=output_dir, force=force, verify=verify, dtype=dtype, device=device,
@@ -414,6 +434,9 @@ def heads(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadOpt = None,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
@@ -428,11 +451,14 @@ def heads(
 
         check_free_folder(output, force)
     from prunetool.commands.heads import run_heads
+    from prunetool.placement import placement_from_options
     from prunetool.report import heads_summary, heads_table
 
+    placement = placement_from_options(device_map, max_memory, offload_dir)
     started = time.perf_counter()
     report = run_heads(model, calib=calib, seq_len=seq_len, samples=samples, layers=layers, kv_budget=kv_budget,
-                       dtype=dtype, device=device, trust_remote_code=trust_remote_code, console=err)
+                       dtype=dtype, device=device, trust_remote_code=trust_remote_code, console=err,
+                       placement=placement)
     if output is not None:
         from prunetool.heads.publish import publish_report
 
@@ -470,6 +496,14 @@ def evaluate(
                           "2048, or the model's context if shorter).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadOpt = None,
+    backend: Annotated[str, typer.Option("--backend", help="hf (transformers, in this process) or vllm (lm-eval "
+                       "tasks through vLLM, which loads each checkpoint itself; needs vllm installed).")] = "hf",
+    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", help="vllm: GPUs per model replica.")] = 1,
+    data_parallel: Annotated[int, typer.Option("--data-parallel", help="vllm: model replicas (for hf, run lm-eval "
+                             "under `accelerate launch`: docs/evaluation.md).")] = 1,
     output_file: Annotated[Optional[Path], typer.Option("--output-file", help="Write lm-eval's results for each model "
                            "plus a prunetool section to this JSON file.")] = None,
     old_output: OldOutputOpt = None,
@@ -486,12 +520,17 @@ def evaluate(
     check_output_file(output, "--output-file")
     from prunetool.checkpoint_io import write_json_atomic
     from prunetool.commands.eval import EvalRequest, jsonable, run_eval
+    from prunetool.placement import placement_from_options
     from prunetool.report import eval_table, hop_table
+
+    placement = placement_from_options(device_map, max_memory, offload_dir)
 
     calibration = {"calib": calib, "seq_len": seq_len, "stride": seq_len, "samples": samples}
     request = EvalRequest(models=list(models or []), tasks=tasks, data_dir=data_dir, limit=limit,
                           num_fewshot=num_fewshot, batch_size=batch_size, max_length=max_length,
-                          calibration=calibration, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+                          calibration=calibration, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                          backend=backend, tensor_parallel=tensor_parallel, data_parallel=data_parallel,
+                          placement=placement)
     report = jsonable(run_eval(request, err))
     if output is not None:
         write_json_atomic(output, report)

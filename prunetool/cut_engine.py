@@ -26,6 +26,7 @@ from torch import nn
 
 from prunetool.architecture import TESTED, decoder_of
 from prunetool.perplexity import _head_nll_sum, perplexity, perplexity_from_mean
+from prunetool.loading import input_device
 
 SELF_CHECK_RTOL = 1e-5
 
@@ -47,7 +48,7 @@ class CutEngine:
         self.model, self.batch_size = model, max(1, batch_size)
         self.decoder = decoder_of(model)
         self.layers = list(self.decoder.layers)
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)
         self.batches = [windows[start:start + self.batch_size].to(self.device, torch.long)
                         for start in range(0, windows.shape[0], self.batch_size)]
         self.removed: tuple[int, ...] = ()

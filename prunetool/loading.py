@@ -6,6 +6,7 @@ import io
 import torch
 
 from prunetool.errors import ModelSourceError, OptionError
+from prunetool.placement import Placement
 from prunetool.sources import ModelSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +38,22 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def input_device(model) -> torch.device:
+    """Where a model's inputs go: the device its first module runs on. With a device map that is the
+    embedding's entry (the CPU when it was offloaded to disk, whose weights then sit on `meta`)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        first = next(iter(device_map.values()))
+        if isinstance(first, int):
+            return torch.device("cuda", first)
+        return torch.device("cpu" if first == "disk" else first)
+    return next(model.parameters()).device
+
+
+def offloaded_to_disk(model) -> bool:
+    return "disk" in set((getattr(model, "hf_device_map", None) or {}).values())
+
+
 @contextlib.contextmanager
 def quiet_transformers():
     """Keep transformers' load-time chatter (progress bars, advisory warnings) off the user's terminal."""
@@ -54,24 +71,35 @@ def quiet_transformers():
 
 
 def load_model(source: ModelSource, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
-               attn_implementation: str | None = None):
+               attn_implementation: str | None = None, placement: Placement | None = None):
     """Load the causal LM and its tokenizer; any loader failure becomes a one-line ModelSourceError.
 
     `attn_implementation='eager'` makes attention return its weights (the heads probe reads them).
+    With a `placement`, accelerate spreads the layers (GPUs, CPU, then disk) and `device` only sets the dtype.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = pick_device(device)
     torch_dtype = pick_dtype(dtype, target)
+    spread = {}
+    if placement is not None:
+        spread = {"device_map": placement.device_map, "max_memory": placement.max_memory,
+                  "offload_folder": str(placement.offload_dir) if placement.offload_dir else None}
     try:
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(
-                source.path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                source.path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **spread,
                 **({"attn_implementation": attn_implementation} if attn_implementation else {}),
             )
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if placement is not None and "offload" in reason and placement.offload_dir is None:
+            raise OptionError(f"--device-map {placement.device_map}: {source.spec} does not fit --max-memory "
+                              f"{placement.max_memory or 'on this machine'} and part of it must go to disk; "
+                              "give --offload-dir FOLDER") from error
         raise ModelSourceError(f"cannot load {source.spec} from {source.path}: {reason}") from error
-    model.eval().to(target)
+    model.eval()
+    if placement is None:
+        model.to(target)
     return model, tokenizer

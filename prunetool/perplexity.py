@@ -18,6 +18,7 @@ from torch import nn
 
 from prunetool.architecture import TESTED, decoder_of
 from prunetool.errors import OptionError
+from prunetool.loading import input_device
 
 LOGITS_BUDGET_BYTES = 256 * 2**20  # float32 logits at once: 256 tokens of a 262k vocabulary
 
@@ -71,7 +72,7 @@ def perplexity(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1) 
         raise OptionError(f"perplexity needs windows of shape (W>=1, T>=2), got {tuple(windows.shape)}")
     if batch_size < 1:
         raise OptionError(f"--batch-size must be at least 1, got {batch_size}")
-    device = next(model.parameters()).device
+    device = input_device(model)
     total = 0.0
     with torch.inference_mode():
         for start in range(0, windows.shape[0], batch_size):

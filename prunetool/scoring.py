@@ -10,6 +10,7 @@ from prunetool import __version__
 from prunetool.architecture import inspect_decoder
 from prunetool.capture import LayerTaps, capture_scores, check_complete
 from prunetool.metrics import angular_distance_matrix
+from prunetool.loading import input_device
 
 if TYPE_CHECKING:
     from prunetool.calibration import CalibrationSet
@@ -87,7 +88,7 @@ def score_model(
     """Run every calibration window through the decoder stack (no LM head: scores need none)."""
     layout = inspect_decoder(model)
     decoder = model.get_decoder()
-    device = device or next(model.parameters()).device  # given when the model streams its layers from disk
+    device = device or input_device(model)  # given when the model streams its layers from disk
     dtype = dtype or next(model.parameters()).dtype
     windows = calibration.input_ids
     started = time.perf_counter()

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from prunetool.cli import app
 from prunetool.commands import heal as heal_module
-from prunetool.commands.heal import HealRequest, run_heal
+from prunetool.commands.heal import HealRequest, repeated_windows, run_heal
 from prunetool.repair.distill import distill_loss, kl_loss, lr_factor
 from prunetool.runs import load_current_run, record_current_run
 from test_prune_cli import assert_refused  # the one-line refusal check prune tests share
@@ -127,6 +127,28 @@ def test_heal_lowers_the_loss_and_records_everything(tiny_checkpoint, calib_file
                                                                                      rel=1e-4)
 
 
+def test_repeated_windows_keep_the_first_pass_and_permute_each_later_one():
+    unique = torch.arange(5).unsqueeze(1).expand(5, 3)
+    rows = repeated_windows(unique, 12, seed=0)
+    assert rows.shape == (12, 3) and torch.equal(rows[:5], unique)
+    assert sorted(rows[5:10, 0].tolist()) == list(range(5)) and rows[10:, 0].tolist() != [0, 1]
+    assert torch.equal(rows, repeated_windows(unique, 12, seed=0))
+    assert not torch.equal(rows, repeated_windows(unique, 12, seed=1))
+    assert torch.equal(repeated_windows(unique, 3, seed=0), unique[:3])
+
+
+def test_epochs_read_a_third_of_the_text_and_record_it(pruned_llama, tmp_path):
+    out = tmp_path / "healed"
+    result = runner.invoke(app, ["heal", str(pruned_llama), "--train", "lora", "--tokens", "1536", "--epochs", "3",
+                                 "--seq-len", "32", "--batch-size", "2", "--output-dir", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    heal = json.loads(result.stdout)["heal"]
+    assert heal["tokens"] == 1536 and heal["steps"] == 24
+    assert heal["data"]["windows"] == 16 and heal["data"]["epochs"] == 3
+    assert heal["data"]["last_token"] - heal["data"]["first_token"] + 1 == 16 * 32
+    assert "--epochs 3" in heal["command"] and "3 passes over 16 windows" in (out / "README.md").read_text()
+
+
 def request_for(pruned, out, **extra):
     options = dict(model=str(pruned), tokens=6 * 2 * 24, seq_len=24, batch_size=2, train="adjacent", lr=1e-3,
                    output=out, checkpoint_dir=out.parent / "ckpt", save_every=2)
@@ -218,6 +240,8 @@ def pruned_llama(tiny_checkpoint, calib_file, tmp_path):
     (["--tokens", "1000000"], ["calibration text too short for --tokens 1000000", "tokens after the held-out"]),
     (["--train", "half"], ["--train"]),
     (["--ce-weight", "2"], ["--ce-weight"]),
+    (["--epochs", "0"], ["--epochs"]),
+    (["--tokens", "1000000", "--epochs", "3"], ["calibration text too short for --tokens 1000000", "raise --epochs"]),
 ])
 def test_bad_options_are_refused_and_nothing_is_published(args, words, pruned_llama, tmp_path):
     out = tmp_path / "healed"

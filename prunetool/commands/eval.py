@@ -20,7 +20,9 @@ from rich.console import Console
 
 from prunetool import __version__
 from prunetool.errors import OptionError
-from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, heldout_perplexity, make_lm
+from prunetool.evaluation.runner import (
+    BACKENDS, TaskManagers, evaluate_tasks, heldout_perplexity, make_lm, make_vllm_lm, vllm_arguments,
+)
 from prunetool.evaluation.tasks import (
     HELDOUT, data_dir_from, default_task_names, plan_tasks, split_names,
 )
@@ -47,6 +49,10 @@ class EvalRequest:
     dtype: str
     device: str
     trust_remote_code: bool
+    backend: str = "hf"  # "vllm": lm-eval tasks through vLLM, which loads each folder itself
+    tensor_parallel: int = 1  # vllm only
+    data_parallel: int = 1  # vllm only; for hf, `accelerate launch -m lm_eval` (docs/evaluation.md)
+    placement: object = None  # loading.Placement: hf backend spread over devices by accelerate
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,35 @@ def heldout_windows(first_source, model, tokenizer, options: dict):
     return held_out, description
 
 
+def check_backend(request: EvalRequest) -> None:
+    """--backend and its sizes, refused before any model or task is loaded."""
+    import importlib.util
+
+    if request.backend not in BACKENDS:
+        raise OptionError(f"--backend must be one of {', '.join(BACKENDS)}, got {request.backend!r}")
+    for flag, value in (("--tensor-parallel", request.tensor_parallel), ("--data-parallel", request.data_parallel)):
+        if value < 1:
+            raise OptionError(f"{flag} must be at least 1, got {value}")
+        if value > 1 and request.backend != "vllm":
+            raise OptionError(f"{flag} needs --backend vllm (data-parallel hf evaluation: `accelerate launch -m "
+                              "lm_eval`, docs/evaluation.md)")
+    if request.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise OptionError("--backend vllm needs the vllm package, which is not importable here (pip install vllm, "
+                          "on a machine with a supported GPU); or use --backend hf")
+
+
+def check_vllm_plans(plans, chosen) -> None:
+    """vLLM loads folders and returns log-likelihoods only: no in-memory cut, no probes that read hidden states."""
+    probes = [plan.name for plan in plans if plan.kind in ("hop", "heldout")]
+    if probes:
+        raise OptionError(f"--backend vllm runs lm-eval tasks only; {', '.join(probes)} need --backend hf "
+                          "(pass --tasks without them)")
+    in_memory = [candidate.label for candidate in chosen if candidate.remove]
+    if in_memory:
+        raise OptionError(f"--backend vllm loads checkpoints from disk, and {', '.join(in_memory)} exists only in "
+                          "memory (a patched run's plain cut); write it with `prunetool prune` or use --backend hf")
+
+
 def run_eval(request: EvalRequest, console: Console) -> dict:
     """Evaluate every candidate on every task; returns the report (also what --output writes)."""
     if request.num_fewshot is not None and request.num_fewshot < 0:
@@ -127,10 +162,15 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         raise OptionError(f"--max-length must be at least 16 tokens, got {request.max_length}")
     if request.batch_size != "auto" and not (request.batch_size.isdigit() and int(request.batch_size) >= 1):
         raise OptionError(f"--batch-size must be a positive integer or auto, got {request.batch_size!r}")
+    check_backend(request)
     data_dir = data_dir_from(request.data_dir)
     names = split_names(request.tasks) or default_task_names(data_dir)
     plans = plan_tasks(names, data_dir)
     chosen, pruning, calibration = candidates(request.models, request.calibration)
+    if request.backend == "vllm":
+        if request.placement is not None:
+            raise OptionError("--device-map places the hf backend's model; vLLM places its own (--tensor-parallel)")
+        check_vllm_plans(plans, chosen)
     sources = [resolve_model(c.spec, trust_remote_code=request.trust_remote_code) for c in chosen]
 
     started, clock = datetime.now(timezone.utc), time.perf_counter()
@@ -138,9 +178,20 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
     models: dict[str, dict] = {}
     for candidate, source in zip(chosen, sources):
         model_clock = time.perf_counter()
-        model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
-                                      trust_remote_code=request.trust_remote_code)
         entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
+        if request.backend == "vllm":
+            arguments = vllm_arguments(str(source.path), dtype=request.dtype, tensor_parallel=request.tensor_parallel,
+                                       data_parallel=request.data_parallel, batch_size=request.batch_size,
+                                       max_length=request.max_length, trust_remote_code=request.trust_remote_code)
+            entry["backend"] = {"name": "vllm"} | {k: v for k, v in arguments.items() if k != "pretrained"}
+            entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(
+                make_vllm_lm(arguments), plans, managers, limit=request.limit, num_fewshot=request.num_fewshot)
+            entry["seconds"] = time.perf_counter() - model_clock
+            models[candidate.label] = entry
+            gc.collect()
+            continue
+        model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
+                                      trust_remote_code=request.trust_remote_code, placement=request.placement)
         if candidate.remove:
             prune_in_memory(model, candidate.remove)
             entry["removed_in_memory"] = list(candidate.remove)
@@ -177,6 +228,7 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
             "data_dir": str(data_dir) if data_dir else None,
             "limit": request.limit,
             "num_fewshot": request.num_fewshot,
+            "backend": request.backend,
             "started": started.isoformat(timespec="seconds"),
             "seconds": time.perf_counter() - clock,
         },

@@ -16,7 +16,7 @@ def layer_caps(config, seq_len: int, num_layers: int) -> list[int]:
 
 
 def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device, trust_remote_code,
-              console: Console):
+              console: Console, placement=None):
     """Probe every analysed layer's heads on calibration windows (eager attention) and build the report.
 
     MODEL defaults to the current run's model, else the default demo model.
@@ -30,7 +30,7 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
 
     source = resolve_model(spec if spec is not None else current_model(), trust_remote_code=trust_remote_code)
     model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                                  attn_implementation="eager")
+                                  attn_implementation="eager", placement=placement)
     layout = warn_if_untested(model, console)
     selected = parse_layers(layers, layout.num_layers, allow_all=True, flag="--only-layers") if layers else tuple(range(layout.num_layers))
     caps = layer_caps(model.config.get_text_config(decoder=True), seq_len, layout.num_layers)

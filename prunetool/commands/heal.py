@@ -51,6 +51,7 @@ class HealRequest:
     teacher: str | None = None  # None: the base prune.json names
     calib: str | None = None  # None: prune's calibration text, after its held-out windows
     tokens: int
+    epochs: int = 1  # passes over the training text: the budget needs tokens / epochs of unseen text
     seq_len: int = 256
     train: str = "lora"
     lora_rank: int = 8
@@ -79,6 +80,7 @@ def check_options(request: HealRequest) -> None:
     if request.seq_len < 2:
         raise OptionError(f"--seq-len must be at least 2 (one predicted token), got {request.seq_len}")
     for flag, value in (("--batch-size", request.batch_size), ("--grad-accum", request.grad_accum),
+                        ("--epochs", request.epochs),
                         ("--lora-rank", request.lora_rank), ("--save-every", request.save_every)):
         if value is not None and value < 1:
             raise OptionError(f"{flag} must be at least 1, got {value}")
@@ -122,27 +124,41 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer, student, teacher,
 
 
 def training_windows(request: HealRequest, held: dict, tokenizer, key: str | None, count: int) -> tuple[torch.Tensor, dict]:
-    """`count` windows of --seq-len: after prune's held-out windows in its text, or from the start of --calib."""
+    """`count` windows of --seq-len: after prune's held-out windows in its text, or from the start of --calib.
+
+    With --epochs E only ceil(count / E) distinct windows are read; each later pass repeats them in its own
+    seeded order, so a budget larger than the text is an explicit choice, never a silent reuse."""
     spec = request.calib if request.calib is not None else held["spec"]
     first = 0 if request.calib is not None else held["last_token"] + 1
     where = f"in {request.calib}" if request.calib is not None else "after the held-out windows"
+    distinct = math.ceil(count / request.epochs)
     try:
-        windows = load_calibration(spec, tokenizer, seq_len=request.seq_len, samples=0, holdout=count,
+        windows = load_calibration(spec, tokenizer, seq_len=request.seq_len, samples=0, holdout=distinct,
                                    holdout_from=first, model_key=key)
     except CalibrationError as error:
         available = getattr(error, "available", None)
         if available is None:
             raise
         raise CalibrationError(f"calibration text too short for --tokens {request.tokens}: have {available} tokens "
-                               f"{where} ({count} windows of {request.seq_len} needed; lower --tokens or pass "
-                               "--calib with more text)") from None
+                               f"{where} ({distinct} windows of {request.seq_len} needed; lower --tokens, raise "
+                               "--epochs or pass --calib with more text)") from None
     if request.calib is None and windows.sha256 != held["sha256"]:
         raise CalibrationError(f"prune's calibration text {held['source']} has changed since it was pruned; prune again")
     record = {"source": windows.source, "spec": spec, "sha256": windows.sha256, "seq_len": request.seq_len,
-              "windows": count, "first_token": first, "last_token": first + count * request.seq_len - 1,
+              "windows": distinct, "epochs": request.epochs, "first_token": first,
+              "last_token": first + distinct * request.seq_len - 1,
               "disjoint_from": ("prune's selection and held-out windows (same text, after held_out.last_token)"
                                 if request.calib is None else "prune's windows: a different text (--calib)")}
-    return windows.held_out, record
+    return repeated_windows(windows.held_out, count, request.seed), record
+
+
+def repeated_windows(unique: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+    """The first `count` rows of: `unique` in order, then each further pass in its own permutation (seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    passes = [unique]
+    while sum(len(part) for part in passes) < count:
+        passes.append(unique[torch.randperm(len(unique), generator=generator)])
+    return torch.cat(passes)[:count]
 
 
 def adjacent_layers(record: dict) -> list[int]:
@@ -250,6 +266,12 @@ def loss_summary(losses: list[float]) -> dict:
             "curve": [[step + 1, losses[step]] for step in points]}
 
 
+def passes(data: dict) -> str:
+    """`3 passes over 512 windows; ` where the text was repeated, else nothing."""
+    epochs = data.get("epochs", 1)
+    return f"{epochs} passes over {data['windows']} windows; " if epochs > 1 else ""
+
+
 def heal_paragraph(heal: dict) -> str:
     ppl = heal["perplexity"]
     rows = ""
@@ -264,7 +286,7 @@ def heal_paragraph(heal: dict) -> str:
     return (f"\n## Healed by distillation\n\nAfter the cut, `prunetool heal` trained {trained} to match the base "
             f"model's next-token distributions (forward KL, temperature {heal['temperature']:g}, cross-entropy weight "
             f"{heal['ce_weight']:g}) on {heal['tokens']} tokens of {heal['data']['source']} that no selection or "
-            f"held-out window used ({heal['steps']} steps, AdamW, peak learning rate {heal['lr']:g}, warmup then "
+            f"held-out window used ({passes(heal['data'])}{heal['steps']} steps, AdamW, peak learning rate {heal['lr']:g}, warmup then "
             f"cosine). {len(heal['tensors'])} tensors changed; every other tensor is byte-identical to the pruned "
             f"checkpoint.{rows}\n\nReproduce:\n\n```bash\n{heal['command']}\n```\n")
 
@@ -319,7 +341,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
                    "lora_rank": request.lora_rank if request.train == "lora" else None, "tokens": request.tokens,
                    "seq_len": request.seq_len, "batch_size": request.batch_size, "grad_accum": request.grad_accum,
                    "lr": lr, "temperature": request.temperature, "ce_weight": request.ce_weight,
-                   "data_sha256": data["sha256"], "first_token": data["first_token"], "seed": request.seed}
+                   "epochs": request.epochs, "data_sha256": data["sha256"], "first_token": data["first_token"], "seed": request.seed}
     config = TrainConfig(steps=steps, batch_size=request.batch_size, grad_accum=request.grad_accum, lr=lr,
                          temperature=request.temperature, ce_weight=request.ce_weight,
                          autocast_bf16=setting.dtype == torch.bfloat16,
@@ -388,6 +410,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
 
 def heal_command(request: HealRequest, folder: Path) -> str:
     parts = ["prunetool heal", str(folder), "--train", request.train, "--tokens", str(request.tokens),
+             *(["--epochs", str(request.epochs)] if request.epochs != 1 else []),
              "--seq-len", str(request.seq_len), "--batch-size", str(request.batch_size), "--grad-accum",
              str(request.grad_accum), "--temperature", f"{request.temperature:g}", "--ce-weight",
              f"{request.ce_weight:g}"]

@@ -34,7 +34,7 @@ from prunetool.checkpoint_io import text_num_layers, text_section
 from prunetool.errors import CalibrationError, OptionError
 from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
 from prunetool.in_memory import layers_removed
-from prunetool.loading import load_model, pick_device, pick_dtype
+from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
 from prunetool.perplexity import perplexity
 from prunetool.plan import PrunePlan
 from prunetool.progress import window_progress
@@ -70,6 +70,7 @@ class PruneRequest:
     verify: bool = True
     dtype: str = "auto"
     device: str = "auto"
+    placement: object = None  # loading.Placement: the search's model spread over devices by accelerate
     batch_size: int = 1
     trust_remote_code: bool = False
     shortlist: int = GUIDED_SHORTLIST  # guided only
@@ -327,7 +328,10 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     if verifying or selects_on_windows or patching:
         clock = time.perf_counter()
         model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
-                                      trust_remote_code=request.trust_remote_code)
+                                      trust_remote_code=request.trust_remote_code, placement=request.placement)
+        if patching and offloaded_to_disk(model):  # the fit writes into the kept weights, which sit on `meta`
+            raise OptionError("--patch needs every kept weight in memory; raise --max-memory so nothing is offloaded "
+                              "to disk, or prune first and patch on a larger machine")
         # a criterion's windows are cut even when only recorded scores rank: the held-out text must start
         # after the text those scores saw (and after the patch windows), and its sha256 is checked against theirs
         patch_windows = patch_windows_for(request, start.calibration["seq_len"]) if patching else 0

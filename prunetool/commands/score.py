@@ -29,7 +29,7 @@ def warn_if_untested(model, console: Console):
 
 
 def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_size, trust_remote_code,
-              console: Console, low_memory: bool = False, drop: int | None = None) -> tuple:
+              console: Console, low_memory: bool = False, drop: int | None = None, placement=None) -> tuple:
     """Score a model end to end and record it as the current run; returns the scores and stage timings.
 
     `low_memory` never loads the model: each decoder layer is read from the checkpoint when it runs
@@ -48,7 +48,8 @@ def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_siz
     else:
         from prunetool.loading import load_model
 
-        model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                      placement=placement)
         warn_if_untested(model, console)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
@@ -75,6 +76,7 @@ def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_siz
                                  on_batch=lambda n: progress.advance(task, n))
     timings["score"] = time.perf_counter() - clock
     options = {"calib": calibration.spec, "seq_len": seq_len, "stride": calibration.stride, "samples": samples,
-               "dtype": dtype, "device": device, "batch_size": batch_size, "low_memory": low_memory}
+               "dtype": dtype, "device": device, "batch_size": batch_size, "low_memory": low_memory,
+               "device_map": placement.device_map if placement else None}
     record_current_run(source.spec, source.path, scores.to_json(), options)
     return scores, timings

@@ -75,7 +75,9 @@ def pick_batch_size(model, batch_size: str, max_length: int) -> int | str:
     float32 logits and their log-softmax); on accelerators lm-eval's own search, which catches OOM there."""
     if batch_size != "auto":
         return int(batch_size)
-    if model.device.type != "cpu":
+    from prunetool.loading import input_device
+
+    if input_device(model).type != "cpu":
         return "auto"
     vocab = model.config.get_text_config(decoder=True).vocab_size
     return max(1, min(MAX_AUTO_BATCH, LOGITS_BUDGET_BYTES // (max_length * vocab * 8)))
@@ -89,6 +91,30 @@ def make_lm(model, tokenizer, batch_size: str, max_length: int | None = None):
     with quiet_lm_eval():
         return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=pick_batch_size(model, batch_size, length),
                     max_batch_size=MAX_AUTO_BATCH, max_length=length)
+
+
+BACKENDS = ("hf", "vllm")
+
+
+def vllm_arguments(path: str, *, dtype: str, tensor_parallel: int, data_parallel: int, batch_size: str,
+                   max_length: int | None, trust_remote_code: bool) -> dict:
+    """lm-eval's VLLM keyword arguments for one written checkpoint: vLLM loads the folder itself, so only
+    checkpoints on disk can be evaluated this way, and parallelism is vLLM's (tensor and data parallel)."""
+    arguments = {"pretrained": path, "dtype": "auto" if dtype == "auto" else dtype,
+                 "tensor_parallel_size": tensor_parallel, "data_parallel_size": data_parallel,
+                 "batch_size": batch_size if batch_size == "auto" else int(batch_size),
+                 "trust_remote_code": trust_remote_code}
+    if max_length is not None:
+        arguments["max_model_len"] = max_length
+    return arguments
+
+
+def make_vllm_lm(arguments: dict):
+    """lm-eval's vLLM wrapper; checked for vllm before anything is loaded (commands.eval.check_backend)."""
+    from lm_eval.models.vllm_causallms import VLLM
+
+    with quiet_lm_eval():
+        return VLLM(**arguments)
 
 
 class TaskManagers:

@@ -22,6 +22,7 @@ from prunetool.heads.patterns import attention_profiles, profile_rows
 from prunetool.heads.rope import channel_norms, channel_thetas, rope_angles
 from prunetool.heads.swap import SwapTally, block_size, choose_swaps, swapped_states
 from prunetool.metrics import mean_pairwise_cosine
+from prunetool.loading import input_device
 
 OVERVIEW = 128  # thumbnail of the whole map, average-pooled to at most this many pixels a side
 ZOOM = 64  # exact top-left corner: the first tokens, the sink column, short diagonals
@@ -150,7 +151,7 @@ def probe_heads(model: torch.nn.Module, windows: torch.Tensor, layers: tuple[int
     if (layout.attentions[0].config._attn_implementation or "eager") != "eager":
         raise UnsupportedModelError("the heads probe needs eager attention (load the model with attn_implementation='eager')")
     decoder = model.get_decoder()
-    device = next(model.parameters()).device
+    device = input_device(model)
     probe = _Probe(layout, {index: LayerEvidence() for index in layers}, [[] for _ in range(layout.num_layers)],
                    profile_rows(windows.shape[-1]))
     index_of = {attention: index for index, attention in enumerate(layout.attentions)}

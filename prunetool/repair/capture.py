@@ -22,6 +22,7 @@ from prunetool.architecture import decoder_of
 from prunetool.capture import _hidden_from, _output_tensor
 from prunetool.repair.patch import CACHE_TOKENS, VALIDATE_EVERY, PatchStats
 from prunetool.repair.sites import PatchSite, post_mlp_norm
+from prunetool.loading import input_device
 
 
 class _Reached(Exception):
@@ -145,7 +146,7 @@ def capture_runs(model, windows: torch.Tensor, sites: list[PatchSite], objective
                     handles.append(layer.mlp.down_proj.register_forward_pre_hook(store(run, "h"), with_kwargs=True))
             target = decoder.norm if site.final else layers[site.last + 1]
             handles.append(target.register_forward_pre_hook(finish(run, stop), with_kwargs=True))
-        device = next(model.parameters()).device
+        device = input_device(model)
         # no_grad, not inference_mode: the cached tensors later enter autograd (the cosine and norm fits)
         with torch.no_grad():
             for start in range(0, windows.shape[0], batch_size):

@@ -14,6 +14,7 @@ Results are float64 tensors keyed by decoder-relative name; the caller casts the
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -68,16 +69,16 @@ def fit_run(model, run: RunData, objective: str) -> RunPatch:
             extra = {"cosine_loss": _cosine_pair(run, None, t), "cached_tokens": run.cached,
                      "lstsq_residual_error": relative_error(run.stats, lstsq_t)}
         name = site.tensors[0]
-        new = fold_embedding(decoder.get_parameter(name).detach(), t)
+        new = fold_embedding(decoder.get_parameter(name).detach().to("cpu"), t)
         errors = {"before": identity_error(run.stats), "after": relative_error(run.stats, t)}
         return RunPatch({name: new}, record | {"action": f"folded into {name}", "method": method,
                                                 "tensors": [name], "residual_error": errors, **extra})
     layer = decoder.layers[site.layer]
     down = layer.mlp.down_proj
-    weight = down.weight.detach()
+    weight = down.weight.detach().to("cpu")  # the statistics live on the CPU; so does every fit
     if site.kind == "norm":
         h, y, l = run.cached_tensors()
-        norm = post_mlp_norm(layer)
+        norm = copy.deepcopy(post_mlp_norm(layer)).to("cpu")
         how = "cosine" if objective == "cosine" else "lstsq"
         new_weight, _, _ = fit_through_norm(weight, h, y, l, norm, objective=how)
         errors = {"before": norm_relative_error(weight, h, y, l, norm),
@@ -106,7 +107,7 @@ def fit_run(model, run: RunData, objective: str) -> RunPatch:
             extra = {"cosine_loss": _cosine_pair(run, None, t), "cached_tokens": run.cached,
                      "lstsq_residual_error": relative_error(run.stats, lstsq_t)}
         errors = {"before": identity_error(run.stats), "after": relative_error(run.stats, t)}
-        new_weight, new_bias = fold_down_proj(weight, t, None if down.bias is None else down.bias.detach())
+        new_weight, new_bias = fold_down_proj(weight, t, None if down.bias is None else down.bias.detach().to("cpu"))
         tensors = {site.tensors[0]: new_weight}
         if new_bias is not None:
             tensors[site.tensors[1]] = new_bias
