@@ -182,6 +182,8 @@ class StreamedModel:
     model: nn.Module
     remapped_ids: torch.Tensor  # calibration windows renumbered into the cut-down embedding table
     device: torch.device
+    reader: CheckpointReader | None = None
+    head_name: str | None = None  # the LM head's tensor in the checkpoint (the embedding's when tied)
 
 
 def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, device: torch.device) -> StreamedModel:
@@ -222,7 +224,8 @@ def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, devic
     for index, layer in enumerate(decoder.layers):
         layer.register_forward_pre_hook(lambda module, _args, index=index: streamer.load(index, module))
         layer.register_forward_hook(lambda module, _args, _output: streamer.release(module))
-    return StreamedModel(model, torch.searchsorted(used, input_ids), device)
+    head_name = "lm_head.weight" if "lm_head.weight" in reader.entries else prefix + embed_name
+    return StreamedModel(model, torch.searchsorted(used, input_ids), device, reader, head_name)
 
 
 def score_streamed(source, calibration, *, model_name: str, dtype: torch.dtype, device: torch.device,
@@ -236,3 +239,41 @@ def score_streamed(source, calibration, *, model_name: str, dtype: torch.dtype, 
                          on_batch=on_batch, device=device, dtype=dtype)
     scores.meta["low_memory"] = True
     return scores
+
+
+def streamed_perplexity(source, windows: torch.Tensor, *, removed=(), dtype: torch.dtype, device: torch.device,
+                        batch_size: int = 1) -> float:
+    """`perplexity()` of the model with `removed` layers gone, without holding it: one decoder layer in
+    memory at a time, and the LM head read a block of vocabulary rows at a time against the final
+    hidden states of every window (a log-sum-exp accumulated over the blocks)."""
+    from prunetool.in_memory import layers_removed
+    from prunetool.perplexity import LOGITS_BUDGET_BYTES, perplexity_from_mean
+
+    streamed = build_streamed(source, windows, dtype=dtype, device=device)
+    model, reader = streamed.model, streamed.reader
+    hidden = []
+    with torch.inference_mode(), layers_removed(model, removed):
+        for start in range(0, windows.shape[0], batch_size):
+            batch = streamed.remapped_ids[start:start + batch_size].to(device)
+            states = decoder_of(model)(input_ids=batch, use_cache=False).last_hidden_state
+            hidden.append(states[:, :-1].reshape(-1, states.shape[-1]))
+    hidden = torch.cat(hidden)
+    targets = windows[:, 1:].reshape(-1).to(device)
+    vocab = reader.entries[streamed.head_name][1].info["shape"][0]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    block = max(1, LOGITS_BUDGET_BYTES // (4 * hidden.shape[0]))
+    log_total = torch.full((hidden.shape[0],), -torch.inf, device=device)
+    target_logit = torch.zeros(hidden.shape[0], device=device)
+    with torch.inference_mode():
+        for first in range(0, vocab, block):
+            last = min(vocab, first + block)
+            rows = reader.rows(streamed.head_name, torch.arange(first, last)).to(device=device, dtype=dtype)
+            logits = hidden @ rows.T
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
+            logits = logits.float()
+            log_total = torch.logaddexp(log_total, torch.logsumexp(logits, dim=1))
+            inside = (targets >= first) & (targets < last)
+            target_logit[inside] = logits[inside, targets[inside] - first]
+    total = (log_total - target_logit).double().sum().item()
+    return perplexity_from_mean(total / targets.numel())
