@@ -145,6 +145,8 @@ REGIONS: dict[str, Region] = {
                                    stamped("repair_heal")),
     "repair-heal-goals": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6.json",),
                                 lambda r: importlib.import_module("repair_heal").goals(r)),
+    "repair-heal-goals-h200": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6-h200.json",),
+                                     lambda r: importlib.import_module("repair_heal").goals(r)),
     "heal-step": Region("bench/heal_step.py", ("heal_step.json",), stamped("heal_step")),
     "score-overhead": Region("bench/score_overhead.py", ("score_overhead.json",), stamped("score_overhead")),
     "prune-write": Region("bench/prune_write.py", ("prune_write.json",), stamped("prune_write")),

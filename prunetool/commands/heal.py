@@ -59,7 +59,7 @@ class HealRequest:
     batch_size: int = 4
     grad_accum: int = 1
     temperature: float = 1.0
-    ce_weight: float = 0.0
+    ce_weight: float = 0.5  # half KL, half CE: beat pure KL and pure CE in bench/results/repair_heal-*-h200.json
     save_every: int | None = None
     resume: bool = False
     checkpoint_dir: Path | None = None
