@@ -13,7 +13,9 @@
 # [smollm2-135m], DTYPE [bfloat16], DEVICE [cuda], SAMPLES [8], DROP [6], HEAD_SAMPLES [2], LIMIT [10],
 # SEQ_LEN [the tool's default], CALIB [the model's own generated text], BUDGET [480 seconds for all steps together; each step gets what is left],
 # RESULTS [unset; a NAME writes the summary to bench/results/NAME.json for docs/pruning.md], REPAIR [unset; N adds
-# --patch to prune and a heal of N tokens after it: the repair path on the device].
+# --patch to prune and a heal of N tokens after it: the repair path on the device], SCALE [unset; 1 adds the same
+# prune with --low-memory (the layer-streamed executor: same layers? byte-identical tensors?) and a score with
+# --device-map auto (largest difference from the plain score)].
 # Each step's stdout goes to $OUT/<step>.out and its stderr to $OUT/<step>.log; a failing step is named
 # on stderr (gpu_check: FAILED at step '...') after the end of its output, and the script exits 1.
 set -euo pipefail
@@ -88,6 +90,12 @@ step heads "${PRUNETOOL[@]}" heads "$MODEL" "${COMMON[@]}" --samples "$HEAD_SAMP
     --output-dir "$OUT/heads" --force
 step eval "${PRUNETOOL[@]}" eval --tasks heldout_ppl,hop_name --limit "$LIMIT" "${COMMON[@]}" \
     --output-file "$OUT/eval.json"
+if [[ -n "${SCALE:-}" ]]; then  # after eval: these record runs of their own
+    step prune_streamed "${PRUNETOOL[@]}" prune "$MODEL" --drop "$DROP" "${COMMON[@]}" "${PATCH[@]}" "${SEQ[@]}" \
+        --samples "$SAMPLES" --low-memory --output-dir "$OUT/pruned-streamed" --force --json
+    step score_device_map "${PRUNETOOL[@]}" score "$MODEL" "${COMMON[@]}" --samples "$SAMPLES" "${SEQ[@]}" \
+        --device-map auto --output-file "$OUT/scores-device-map.json"
+fi
 
 # What the run is for: the checks held in $DTYPE on $DEVICE, and by how much.
 NUMBERS=$("$PYTHON" - "$OUT" <<'EOF'
@@ -103,9 +111,22 @@ cache = (f"cache logprob gap {check['cached_logprob_gap']:.4f} (atol {check['cac
          if "cached_logprob_gap" in check else f"cached greedy identical: {check['cached_generation_matches']}")
 models = json.loads((out / "eval.json").read_text())["models"]
 held = {label: entry["heldout_ppl"]["perplexity"] for label, entry in models.items() if "heldout_ppl" in entry}
+scale = ""
+if (out / "prune_streamed.out").exists():
+    import hashlib
+
+    streamed = json.loads((out / "prune_streamed.out").read_text())
+    digest = lambda folder: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.safetensors"))}
+    plain_scores = json.loads((out / "scores.json").read_text())["layers"]
+    mapped_scores = json.loads((out / "scores-device-map.json").read_text())["layers"]
+    largest = max(abs(a[k] - b[k]) for a, b in zip(plain_scores, mapped_scores) for k in a
+                  if isinstance(a[k], float) and isinstance(b[k], float))
+    scale = (f"; --low-memory prune removed {streamed['plan']['removed']}, tensors identical to the in-memory prune: "
+             f"{digest(out / 'pruned') == digest(out / 'pruned-streamed')}, peak RSS {streamed['peak_rss_bytes'] / 2**30:.2f} GiB; "
+             f"--device-map auto scores differ by at most {largest:.2e}")
 print(f"removed {record['removed']}; held-out ppl {ppl['before']:.3f} -> {ppl['after']:.3f}; reloaded "
       f"{check['perplexity']:.3f} (relative gap {gap:.2e}, rtol {check['perplexity_rtol']}); {cache}; "
-      f"eval heldout_ppl {', '.join(f'{k} {v:.3f}' for k, v in held.items())}")
+      f"eval heldout_ppl {', '.join(f'{k} {v:.3f}' for k, v in held.items())}{scale}")
 EOF
 ) || { echo "gpu_check: FAILED at step 'summary': could not read the reports in $OUT" >&2; exit 1; }
 

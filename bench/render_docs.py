@@ -137,6 +137,8 @@ REGIONS: dict[str, Region] = {
                           lambda r: stamp(r) + "\n\n" + importlib.import_module("scale_model").table(r)),
     "scale-check": Region("bench/scale_model.py", ("scale_model.json",),
                           lambda r: importlib.import_module("scale_model").check_table(r)),
+    "low-memory-prune": Region("bench/low_memory_prune.py", ("low_memory_prune.json",),
+                               lambda r: stamp(r) + "\n\n" + importlib.import_module("low_memory_prune").table(r)),
     "gpu-check": Region("bench/gpu_check.sh", ("gpu_check-h200.json",),
                         lambda r: stamp(r) + f" On {r['hardware']}:\n\n    " + r["summary"]),
     "repair-heal-smollm2-9": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-9.json",),

@@ -311,6 +311,9 @@ def prune(
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadOpt = None,
     batch_size: BatchOpt = 1,
+    low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
+                          "time from the checkpoint for the search and the verification (same choice and tensors; "
+                          "chosen by itself when the checkpoint does not fit).")] = False,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
@@ -324,7 +327,10 @@ def prune(
     from prunetool.placement import placement_from_options
     from prunetool.report import perplexity_table, plan_table
 
-    request = PruneRequest(placement=placement_from_options(device_map, max_memory, offload_dir),
+    placement = placement_from_options(device_map, max_memory, offload_dir)
+    if placement is not None and low_memory:
+        raise OptionError("--low-memory never loads the model; --device-map places a loaded one: choose one")
+    request = PruneRequest(placement=placement, low_memory=low_memory,
         model=model, drop=drop, layers=one_of("--remove-layers", remove_layers, "--layers", old_layers),
         criterion=criterion, beta=beta, scores_file=scores, calib=calib, seq_len=seq_len, stride=stride,
         samples=samples, protect_first=protect_first, protect_last=protect_last,
@@ -335,6 +341,8 @@ def prune(
     )
     result = run_prune(request, err)
     plan = result["plan"]
+    if result.get("low_memory"):
+        err.print(f"peak memory: {result['peak_rss_bytes'] / 2**30:.2f} GiB resident (layer-streamed)", highlight=False)
     if plot is not None:
         from prunetool.plots import plot_prune
 
@@ -352,8 +360,9 @@ def prune(
     checked = "not verified"
     if verify:
         checks = result["verification"]
-        checked = (f"verified in {checks['dtype']} on {checks['device']} (reload, layer count, cached = uncached "
-                   f"decoding, perplexity within {checks['perplexity_rtol']:g})")
+        what = ("layer count, perplexity read layer by layer" if checks.get("low_memory")
+                else "reload, layer count, cached = uncached decoding, perplexity")
+        checked = f"verified in {checks['dtype']} on {checks['device']} ({what} within {checks['perplexity_rtol']:g})"
     out.print(f"wrote {result['output']}: removed layers {plan['removed']} (0-based original indices); {checked}",
               highlight=False, soft_wrap=True)
 
@@ -437,6 +446,8 @@ def heads(
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadOpt = None,
+    low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
+                          "time from the checkpoint (same profiles; needs cached or --calib text).")] = False,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
@@ -455,10 +466,12 @@ def heads(
     from prunetool.report import heads_summary, heads_table
 
     placement = placement_from_options(device_map, max_memory, offload_dir)
+    if placement is not None and low_memory:
+        raise OptionError("--low-memory never loads the model; --device-map places a loaded one: choose one")
     started = time.perf_counter()
     report = run_heads(model, calib=calib, seq_len=seq_len, samples=samples, layers=layers, kv_budget=kv_budget,
                        dtype=dtype, device=device, trust_remote_code=trust_remote_code, console=err,
-                       placement=placement)
+                       placement=placement, low_memory=low_memory)
     if output is not None:
         from prunetool.heads.publish import publish_report
 

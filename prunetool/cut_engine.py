@@ -14,6 +14,11 @@ the engine's uncut perplexity with a plain forward and refuses (EngineUnsupporte
 
 Memory: (L + 1) x W x T x d activations in the model's dtype (SmolLM2-135M, 16 x 512 windows: 0.6 GB in
 float32), plus one set of captured arguments per batch.
+
+Layer-streamed (`model` a prunetool.streaming.StreamedModel, prune --low-memory): the layers load
+themselves from the checkpoint when called, so the weights in memory are one layer's; the head is read
+in vocabulary blocks once per measurement, over the final states of all its windows together. The
+self-check then compares with the streamed model's own plain forward.
 """
 
 from __future__ import annotations
@@ -42,14 +47,21 @@ def _layer_output(output):
 class CutEngine:
     """Calibration perplexity of `current cut + extra layers`, reusing the shared prefix of every candidate."""
 
-    def __init__(self, model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1, self_check: bool = True):
+    def __init__(self, model, windows: torch.Tensor, *, batch_size: int = 1, self_check: bool = True):
+        from prunetool.streaming import StreamedModel
+
+        self.streamed = model if isinstance(model, StreamedModel) else None
+        model = self.streamed.model if self.streamed is not None else model
         if model.config.model_type not in TESTED:
             raise EngineUnsupported(f"no layer-by-layer path for model type {model.config.model_type!r}")
         self.model, self.batch_size = model, max(1, batch_size)
         self.decoder = decoder_of(model)
         self.layers = list(self.decoder.layers)
-        self.device = input_device(model)
-        self.batches = [windows[start:start + self.batch_size].to(self.device, torch.long)
+        self.device = self.streamed.device if self.streamed is not None else input_device(model)
+        inputs = self.streamed.remap(windows) if self.streamed is not None else windows  # embedding rows
+        self.batches = [inputs[start:start + self.batch_size].to(self.device, torch.long)
+                        for start in range(0, windows.shape[0], self.batch_size)]
+        self.targets = [windows[start:start + self.batch_size, 1:].reshape(-1).to(self.device, torch.long)
                         for start in range(0, windows.shape[0], self.batch_size)]
         self.removed: tuple[int, ...] = ()
         self.kwargs: list[list[dict]] = []  # [batch][layer] -> the decoder's keyword arguments to that layer
@@ -59,7 +71,8 @@ class CutEngine:
             self.kwargs.append(arguments)
             self.states.append(inputs)
         if self_check:
-            plain = perplexity(model, windows, batch_size=self.batch_size)
+            plain = (self.streamed.perplexity(windows, batch_size=self.batch_size) if self.streamed is not None
+                     else perplexity(model, windows, batch_size=self.batch_size))
             mine = self.perplexity_without(())
             if not math.isclose(mine, plain, rel_tol=SELF_CHECK_RTOL):
                 raise EngineUnsupported(f"layer-by-layer perplexity {mine!r} differs from the model's {plain!r}")
@@ -97,10 +110,12 @@ class CutEngine:
                 hidden = _layer_output(self.layers[index](hidden, **self.kwargs[batch][index]))
         return hidden
 
-    def _nll(self, batch: int, last: torch.Tensor) -> float:
+    def _normed(self, last: torch.Tensor) -> torch.Tensor:
         hidden = self.decoder.norm(last)[:, :-1]
-        targets = self.batches[batch][:, 1:].reshape(-1)
-        return _head_nll_sum(self.model, hidden.reshape(-1, hidden.shape[-1]), targets)
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def _nll(self, batch: int, last: torch.Tensor) -> float:
+        return _head_nll_sum(self.model, self._normed(last), self.targets[batch])
 
     def perplexity_without(self, extra: Iterable[int], batches: Sequence[int] | None = None) -> float:
         """Perplexity with the current cut and `extra` removed, over all batches or the given ones."""
@@ -112,9 +127,14 @@ class CutEngine:
         chosen = range(len(self.batches)) if batches is None else batches
         total, tokens = 0.0, 0
         with torch.inference_mode():
-            for batch in chosen:
-                total += self._nll(batch, self._run(batch, start, skip))
-                tokens += self.batches[batch].shape[0] * (self.batches[batch].shape[1] - 1)
+            if self.streamed is not None:  # one pass of the streamed head over every window's final states
+                hidden = torch.cat([self._normed(self._run(batch, start, skip)) for batch in chosen])
+                total = self.streamed.head_nll_sum(hidden, torch.cat([self.targets[batch] for batch in chosen]))
+                tokens = hidden.shape[0]
+            else:
+                for batch in chosen:
+                    total += self._nll(batch, self._run(batch, start, skip))
+                    tokens += self.batches[batch].shape[0] * (self.batches[batch].shape[1] - 1)
         return perplexity_from_mean(total / tokens)
 
     def remove(self, layers: Iterable[int]) -> None:

@@ -47,6 +47,11 @@ def input_device(model) -> torch.device:
         if isinstance(first, int):
             return torch.device("cuda", first)
         return torch.device("cpu" if first == "disk" else first)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
+        # the token embedding, not the first parameter: a layer-streamed multimodal model keeps its vision
+        # tower on `meta`, and ids sent there came back as uninitialised embeddings
+        return embeddings.weight.device
     return next(model.parameters()).device
 
 

@@ -95,7 +95,10 @@ def _num_layers(scores: Scores | None, model, num_layers: int | None) -> int:
     if scores is not None:
         known["the scores"] = scores.num_layers
     if model is not None:
-        known["the model"] = len(decoder_of(model).layers)
+        from prunetool.streaming import StreamedModel
+
+        module = model.model if isinstance(model, StreamedModel) else model
+        known["the model"] = len(decoder_of(module).layers)
     if num_layers is not None:
         known["num_layers"] = num_layers
     if not known:

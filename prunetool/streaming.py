@@ -17,7 +17,9 @@ The way sequential quantisers work, with transformers doing the architecture-spe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+
 import torch
 from torch import nn
 
@@ -97,15 +99,16 @@ class CheckpointReader:
         rows_total, width = entry.info["shape"]
         row_bytes = width * torch.empty((), dtype=dtype).element_size()
         base = shard.data_start + entry.info["data_offsets"][0]
-        runs, start = [], 0
+        result = torch.empty((len(indices), width), dtype=dtype)  # filled in place: no second copy
+        raw = memoryview(result.view(-1).view(torch.uint8).numpy())
+        start = 0
         values = indices.tolist()
         for i in range(1, len(values) + 1):
             if i == len(values) or values[i] != values[i - 1] + 1:
                 first, count = values[start], values[i - 1] + 1 - values[start]
-                data = self._read(shard.path, base + first * row_bytes, count * row_bytes)
-                runs.append(torch.frombuffer(data, dtype=dtype).reshape(count, width))
+                _read_exact(shard.path, base + first * row_bytes, raw[start * row_bytes:(start + count) * row_bytes])
                 start = i
-        return torch.cat(runs, dim=0)
+        return result
 
 
 def _load_module(module: nn.Module, reader: CheckpointReader, prefix: str, dtype, device, init_weights) -> None:
@@ -144,6 +147,7 @@ class LayerStreamer:
         self.reader, self.layer_prefix, self.dtype, self.device = reader, layer_prefix, dtype, device
         self.init_weights = init_weights
         self.pool: dict[tuple, list[torch.Tensor]] = {}
+        self.overrides: dict[str, torch.Tensor] = {}  # checkpoint name -> tensor used instead of the file's
 
     def _take(self, like: torch.Tensor) -> torch.Tensor:
         free = self.pool.get((tuple(like.shape), like.dtype))
@@ -158,7 +162,10 @@ class LayerStreamer:
         with torch.no_grad():
             for name, meta in _persistent(layer).items():
                 storage = self._take(meta)
-                self.reader.read_into(prefix + name, storage)
+                if prefix + name in self.overrides:  # a patched tensor, cast to this model's dtype as a reload would
+                    storage.copy_(self.overrides[prefix + name])
+                else:
+                    self.reader.read_into(prefix + name, storage)
                 owner, attribute = _owner(layer, name), name.rpartition(".")[2]
                 if attribute in owner._parameters:
                     owner._parameters[attribute] = nn.Parameter(storage, requires_grad=False)
@@ -184,15 +191,96 @@ class StreamedModel:
     device: torch.device
     reader: CheckpointReader | None = None
     head_name: str | None = None  # the LM head's tensor in the checkpoint (the embedding's when tied)
+    used: torch.Tensor | None = None  # sorted token ids the embedding table holds, in its row order
+    streamer: LayerStreamer | None = None
+
+    @contextlib.contextmanager
+    def layer_loaded(self, index: int):
+        """Layer `index` holds its real weights inside the block (for code that reads them, like the patch fit)."""
+        layer = decoder_of(self.model).layers[index]
+        self.streamer.load(index, layer)
+        try:
+            yield layer
+        finally:
+            self.streamer.release(layer)
+
+    @contextlib.contextmanager
+    def tensors_replaced(self, tensors: dict[str, torch.Tensor]):
+        """Decoder-relative tensors (e.g. `layers.5.mlp.down_proj.weight`) used instead of the checkpoint's
+        whenever their layer loads inside the block; only decoder-layer tensors can be replaced."""
+        prefix = self.streamer.layer_prefix.removesuffix("layers.")
+        if any(not name.startswith("layers.") for name in tensors):
+            raise ValueError("only decoder-layer tensors can be replaced on a streamed model")
+        saved = dict(self.streamer.overrides)
+        self.streamer.overrides.update({prefix + name: value for name, value in tensors.items()})
+        try:
+            yield
+        finally:
+            self.streamer.overrides = saved
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def remap(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> rows of the cut-down embedding; only ids the model was built for."""
+        rows = torch.searchsorted(self.used, ids.contiguous())
+        if bool((rows >= len(self.used)).any()) or not torch.equal(self.used[rows.clamp(max=len(self.used) - 1)], ids):
+            raise ValueError("these windows use token ids the streamed model was not built for")
+        return rows
+
+    def head_nll_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> float:
+        """Summed NLL of `targets` (N,) under the LM head applied to normed `hidden` (N, d), the head read
+        from the checkpoint a block of vocabulary rows at a time (a log-sum-exp accumulated over blocks)."""
+        from prunetool.perplexity import LOGITS_BUDGET_BYTES
+
+        vocab = self.reader.entries[self.head_name][1].info["shape"][0]
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        # a sixteenth of the in-memory path's logits budget, for the logits and for the head rows read at once
+        # (log-sum-exp doubles the first, the dtype cast the second; memory is the point here)
+        block = max(1, LOGITS_BUDGET_BYTES // (16 * 4 * max(hidden.shape[0], hidden.shape[1])))
+        targets = targets.to(hidden.device)
+        log_total = torch.full((hidden.shape[0],), -torch.inf, device=hidden.device)
+        target_logit = torch.zeros(hidden.shape[0], device=hidden.device)
+        with torch.inference_mode():
+            for first in range(0, vocab, block):
+                last = min(vocab, first + block)
+                rows = self.reader.rows(self.head_name, torch.arange(first, last)).to(hidden.device, hidden.dtype)
+                logits = hidden @ rows.T
+                if cap is not None:  # in the model dtype, before the float32 upcast, as the model does
+                    logits = torch.tanh(logits / cap) * cap
+                logits = logits.float()
+                log_total = torch.logaddexp(log_total, torch.logsumexp(logits, dim=1))
+                inside = (targets >= first) & (targets < last)
+                target_logit[inside] = logits[inside, targets[inside] - first]
+        return (log_total - target_logit).double().sum().item()
+
+    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1) -> float:
+        """`perplexity()` of the model with `removed` layers gone, one decoder layer in memory at a time;
+        the head runs once over the final hidden states of all windows (so it is read once)."""
+        from prunetool.in_memory import layers_removed
+        from prunetool.perplexity import perplexity_from_mean
+
+        hidden = []
+        inputs = self.remap(windows)
+        with torch.inference_mode(), layers_removed(self.model, removed):
+            for start in range(0, windows.shape[0], batch_size):
+                batch = inputs[start:start + batch_size].to(self.device)
+                states = decoder_of(self.model)(input_ids=batch, use_cache=False).last_hidden_state
+                hidden.append(states[:, :-1].reshape(-1, states.shape[-1]))
+        total = self.head_nll_sum(torch.cat(hidden), windows[:, 1:].reshape(-1))
+        return perplexity_from_mean(total / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
-def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, device: torch.device) -> StreamedModel:
+def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, device: torch.device,
+                   attn_implementation: str | None = None) -> StreamedModel:
     """A meta-device model whose non-layer parts are real and whose layers load themselves when called."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(source.path)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
     model.eval()
     decoder = decoder_of(model)
     text_config = model.config.get_text_config(decoder=True)
@@ -225,7 +313,7 @@ def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, devic
         layer.register_forward_pre_hook(lambda module, _args, index=index: streamer.load(index, module))
         layer.register_forward_hook(lambda module, _args, _output: streamer.release(module))
     head_name = "lm_head.weight" if "lm_head.weight" in reader.entries else prefix + embed_name
-    return StreamedModel(model, torch.searchsorted(used, input_ids), device, reader, head_name)
+    return StreamedModel(model, torch.searchsorted(used, input_ids), device, reader, head_name, used, streamer)
 
 
 def score_streamed(source, calibration, *, model_name: str, dtype: torch.dtype, device: torch.device,
@@ -243,37 +331,6 @@ def score_streamed(source, calibration, *, model_name: str, dtype: torch.dtype, 
 
 def streamed_perplexity(source, windows: torch.Tensor, *, removed=(), dtype: torch.dtype, device: torch.device,
                         batch_size: int = 1) -> float:
-    """`perplexity()` of the model with `removed` layers gone, without holding it: one decoder layer in
-    memory at a time, and the LM head read a block of vocabulary rows at a time against the final
-    hidden states of every window (a log-sum-exp accumulated over the blocks)."""
-    from prunetool.in_memory import layers_removed
-    from prunetool.perplexity import LOGITS_BUDGET_BYTES, perplexity_from_mean
-
+    """`perplexity()` of the model with `removed` layers gone, without holding it (StreamedModel.perplexity)."""
     streamed = build_streamed(source, windows, dtype=dtype, device=device)
-    model, reader = streamed.model, streamed.reader
-    hidden = []
-    with torch.inference_mode(), layers_removed(model, removed):
-        for start in range(0, windows.shape[0], batch_size):
-            batch = streamed.remapped_ids[start:start + batch_size].to(device)
-            states = decoder_of(model)(input_ids=batch, use_cache=False).last_hidden_state
-            hidden.append(states[:, :-1].reshape(-1, states.shape[-1]))
-    hidden = torch.cat(hidden)
-    targets = windows[:, 1:].reshape(-1).to(device)
-    vocab = reader.entries[streamed.head_name][1].info["shape"][0]
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    block = max(1, LOGITS_BUDGET_BYTES // (4 * hidden.shape[0]))
-    log_total = torch.full((hidden.shape[0],), -torch.inf, device=device)
-    target_logit = torch.zeros(hidden.shape[0], device=device)
-    with torch.inference_mode():
-        for first in range(0, vocab, block):
-            last = min(vocab, first + block)
-            rows = reader.rows(streamed.head_name, torch.arange(first, last)).to(device=device, dtype=dtype)
-            logits = hidden @ rows.T
-            if cap is not None:
-                logits = torch.tanh(logits / cap) * cap
-            logits = logits.float()
-            log_total = torch.logaddexp(log_total, torch.logsumexp(logits, dim=1))
-            inside = (targets >= first) & (targets < last)
-            target_logit[inside] = logits[inside, targets[inside] - first]
-    total = (log_total - target_logit).double().sum().item()
-    return perplexity_from_mean(total / targets.numel())
+    return streamed.perplexity(windows, removed=removed, batch_size=batch_size)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from prunetool.architecture import decoder_of
 from prunetool.errors import VerificationError
 from prunetool.loading import quiet_transformers
 from prunetool.perplexity import perplexity
@@ -117,4 +118,37 @@ def verify_checkpoint(folder: Path, *, expected_layers: int, held_out: torch.Ten
             raise VerificationError(f"the reloaded checkpoint's perplexity {measured:.4f} differs from the in-memory "
                                     f"prune's {expected_perplexity:.4f} by more than {setting.rtol:g} (relative, "
                                     f"{result['dtype']} on {result['device']})")
+    return result
+
+
+def verify_streamed(folder: Path, *, expected_layers: int, held_out: torch.Tensor | None,
+                    expected_perplexity: float | None, setting: VerifySetting) -> dict:
+    """verify_checkpoint for a checkpoint that is not loaded whole (prune --low-memory): the config and the
+    tensors must describe `expected_layers` layers, and the held-out perplexity, read one layer at a time,
+    must equal the in-memory prune's. The decode-with-and-without-cache check needs the whole model and is
+    not run (the result says so)."""
+    from types import SimpleNamespace
+
+    from prunetool.streaming import build_streamed
+
+    probe = held_out if held_out is not None else torch.tensor([[1, 2, 3, 4]])
+    try:
+        streamed = build_streamed(SimpleNamespace(path=Path(folder)), probe, dtype=setting.dtype, device=setting.device)
+    except Exception as error:  # whatever the loader raises, the checkpoint is unusable
+        raise VerificationError(f"the written checkpoint does not load layer by layer: {error}") from error
+    layers = len(decoder_of(streamed.model).layers)
+    configured = streamed.model.config.get_text_config(decoder=True).num_hidden_layers
+    if layers != expected_layers or configured != expected_layers:
+        raise VerificationError(f"the written checkpoint has {layers} layers (config says {configured}), "
+                                f"expected {expected_layers}")
+    result = {"layers": layers, "low_memory": True,
+              "not_checked": "decoding with and without the KV cache (needs the whole model in memory)",
+              **setting.describe()}
+    if held_out is not None:
+        measured = streamed.perplexity(held_out)
+        result["perplexity"] = measured
+        if expected_perplexity is not None and not math.isclose(measured, expected_perplexity, rel_tol=setting.rtol):
+            raise VerificationError(f"the written checkpoint's perplexity {measured:.4f} differs from the in-memory "
+                                    f"prune's {expected_perplexity:.4f} by more than {setting.rtol:g} (relative, "
+                                    f"{result['dtype']} on {result['device']}, read layer by layer)")
     return result

@@ -16,10 +16,12 @@ def layer_caps(config, seq_len: int, num_layers: int) -> list[int]:
 
 
 def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device, trust_remote_code,
-              console: Console, placement=None):
+              console: Console, placement=None, low_memory: bool = False):
     """Probe every analysed layer's heads on calibration windows (eager attention) and build the report.
 
-    MODEL defaults to the current run's model, else the default demo model.
+    MODEL defaults to the current run's model, else the default demo model. `low_memory` never loads the
+    model: each decoder layer is read from the checkpoint when it runs (streaming.py), also for the swap
+    test's reruns, so the profiles are the loaded model's.
     """
     from prunetool.commands.score import warn_if_untested
     from prunetool.heads.analysis import analyse
@@ -29,16 +31,32 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     from prunetool.selection import parse_layers
 
     source = resolve_model(spec if spec is not None else current_model(), trust_remote_code=trust_remote_code)
-    model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                                  attn_implementation="eager", placement=placement)
+    if low_memory:
+        from prunetool.sources.tokenizer import FileTokenizer
+        from prunetool.streaming import build_streamed
+
+        tokenizer = FileTokenizer(source.path)
+        calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples,
+                                       model=None, model_key=model_key(source))
+        from prunetool.loading import pick_device, pick_dtype
+
+        target = pick_device(device)
+        streamed = build_streamed(source, calibration.input_ids, dtype=pick_dtype(dtype, target), device=target,
+                                  attn_implementation="eager")
+        model, windows = streamed.model, streamed.remapped_ids
+    else:
+        model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                      attn_implementation="eager", placement=placement)
     layout = warn_if_untested(model, console)
     selected = parse_layers(layers, layout.num_layers, allow_all=True, flag="--only-layers") if layers else tuple(range(layout.num_layers))
     caps = layer_caps(model.config.get_text_config(decoder=True), seq_len, layout.num_layers)
     if kv_budget is not None:
         check_kv_budget(kv_budget, caps)
-    calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples,
-                                   model=model, model_key=model_key(source))
+    if not low_memory:
+        calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples,
+                                       model=model, model_key=model_key(source))
+        windows = calibration.input_ids
     with window_progress(console) as progress:
         task = progress.add_task("probing heads", total=calibration.windows)
-        evidence = probe_heads(model, calibration.input_ids, selected, on_window=lambda: progress.advance(task))
+        evidence = probe_heads(model, windows, selected, on_window=lambda: progress.advance(task))
     return analyse(evidence, model=source.spec, calibration=calibration.describe(), kv_budget=kv_budget, caps=caps)

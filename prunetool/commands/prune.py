@@ -21,6 +21,7 @@ the one the reloaded checkpoint must match, and the surgery writer swaps those t
 every other tensor byte for byte.
 """
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from prunetool.errors import CalibrationError, OptionError
 from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
 from prunetool.in_memory import layers_removed
 from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
+from prunetool.memory import peak_rss_bytes
 from prunetool.perplexity import perplexity
 from prunetool.plan import PrunePlan
 from prunetool.progress import window_progress
@@ -44,8 +46,10 @@ from prunetool.scoring import Scores, score_model
 from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.demo import find_alias
+from prunetool.sources.tokenizer import FileTokenizer
+from prunetool.streaming import StreamedModel
 from prunetool.surgery import patched_tensor_names, write_pruned_checkpoint
-from prunetool.verify import VerifySetting, verify_checkpoint
+from prunetool.verify import VerifySetting, verify_checkpoint, verify_streamed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +75,7 @@ class PruneRequest:
     dtype: str = "auto"
     device: str = "auto"
     placement: object = None  # loading.Placement: the search's model spread over devices by accelerate
+    low_memory: bool = False  # never load the model: one decoder layer at a time from the checkpoint
     batch_size: int = 1
     trust_remote_code: bool = False
     shortlist: int = GUIDED_SHORTLIST  # guided only
@@ -160,7 +165,7 @@ def patch_windows_for(request: PruneRequest, seq_len: int) -> int:
 
 
 def load_windows(start: StartingPoint, tokenizer, model, source, *, selection: bool, holdout: int,
-                 patch_windows: int = 0) -> CalibrationSet:
+                 patch_windows: int = 0, after_tokenizing=None) -> CalibrationSet:
     """The selection windows (if the run selects), the patch windows (the first `patch_windows`; the
     selection windows are a prefix of them or they of the selection windows) and `holdout` windows after
     both, from one stream. Callers take the selection windows with .first(options["samples"]).
@@ -173,7 +178,7 @@ def load_windows(start: StartingPoint, tokenizer, model, source, *, selection: b
     try:
         windows = load_calibration(options["calib"], tokenizer, seq_len=options["seq_len"], stride=options["stride"],
                                    samples=samples, model=model, model_key=model_key(source), holdout=holdout,
-                                   small=not selection)
+                                   small=not selection, after_tokenizing=after_tokenizing)
     except CalibrationError as error:
         what = f"{samples} selection" if not patch_windows else f"{samples} selection and patch"
         fix = "--samples" if not patch_windows else "--samples or --patch-windows"
@@ -195,8 +200,14 @@ def choose(request, spec, scores, model, calibration, console: Console) -> tuple
     with window_progress(console) as progress:
         if scores is None and needs in ("scores", "both"):
             task = progress.add_task("scoring windows", total=calibration.windows)
-            scores = score_model(model, calibration, model_name=spec, batch_size=request.batch_size,
-                                 on_batch=lambda n: progress.advance(task, n))
+            if isinstance(model, StreamedModel):  # its embedding holds only the rows these windows use
+                renumbered = dataclasses.replace(calibration, input_ids=model.remap(calibration.input_ids))
+                scores = score_model(model.model, renumbered, model_name=spec, batch_size=request.batch_size,
+                                     on_batch=lambda n: progress.advance(task, n), device=model.device,
+                                     dtype=model.model.dtype)
+            else:
+                scores = score_model(model, calibration, model_name=spec, batch_size=request.batch_size,
+                                     on_batch=lambda n: progress.advance(task, n))
         search = progress.add_task("perplexity search", total=None, visible=needs in ("model", "both"))
         plan = make_plan(spec, request.criterion, request.drop, scores=scores, model=model, calibration=calibration,
                          num_layers=num_layers, beta=request.beta, protect_first=request.protect_first,
@@ -217,9 +228,13 @@ def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> d
     held = calibration.describe_held_out()
     after = (f"that follow the {held['after_windows']} selection windows, from token {held['first_token']}"
              if held["after_windows"] else f"from token {held['first_token']} (no selection windows: --layers)")
-    before = perplexity(model, calibration.held_out)
-    with layers_removed(model, plan.removed):
-        pruned = perplexity(model, calibration.held_out)
+    if isinstance(model, StreamedModel):
+        before = model.perplexity(calibration.held_out)
+        pruned = model.perplexity(calibration.held_out, removed=plan.removed)
+    else:
+        before = perplexity(model, calibration.held_out)
+        with layers_removed(model, plan.removed):
+            pruned = perplexity(model, calibration.held_out)
     return {"before": before, "after": pruned, "held_out": held,
             "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
 
@@ -238,9 +253,12 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
     from prunetool.repair.fit import DEFAULT_OBJECTIVE
     from prunetool.repair.patch import CACHE_TOKENS, RIDGE
 
+    from prunetool.repair.sites import streamed_sites
+
     objective = request.patch_objective or DEFAULT_OBJECTIVE
     clock = time.perf_counter()
-    sites = plan_sites(model, plan.removed)
+    streamed = model if isinstance(model, StreamedModel) else None
+    sites = streamed_sites(streamed.model, plan.removed) if streamed else plan_sites(model, plan.removed)
     with window_progress(console) as progress:
         task = progress.add_task("patch: calibration pass", total=calibration.windows)  # the patch windows
         data = capture_runs(model, calibration.input_ids, sites, objective, batch_size=request.batch_size,
@@ -248,8 +266,8 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
     patches = fit_runs(model, data, objective)
     relative = [name for patch in patches for name in patch.tensors]
     on_disk = patched_tensor_names(source.path, relative) if relative else {}
-    decoder = decoder_of(model)
-    replacements, runs = {}, []
+    decoder = decoder_of(streamed.model if streamed else model)
+    replacements, runs, in_model = {}, [], {}
     for patch in patches:
         record = dict(patch.record)
         if patch.tensors:
@@ -263,10 +281,15 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
         for name, value in patch.tensors.items():
             disk_name, disk_dtype = on_disk[name]
             parameter = decoder.get_parameter(name)
-            with torch.no_grad():
-                parameter.copy_(value.to(disk_dtype).to(parameter.dtype))
+            in_model[name] = value.to(disk_dtype).to(parameter.dtype)
+            if streamed is None:
+                with torch.no_grad():
+                    parameter.copy_(in_model[name])
             replacements[disk_name] = value
         runs.append(record)
+    if streamed is not None:  # from now on each patched layer loads its new tensors
+        streamed.streamer.overrides.update({streamed.streamer.layer_prefix.removesuffix("layers.") + name: value
+                                            for name, value in in_model.items()})
     record = {"objective": objective, "windows": calibration.windows, "tokens": calibration.tokens,
               "seq_len": calibration.seq_len, "stride": calibration.stride,
               "windows_used": "the first windows of the calibration stream (the selection windows and, "
@@ -303,6 +326,38 @@ def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: V
     }
 
 
+def streams_by_itself(request: PruneRequest, source, console: Console) -> bool:
+    """The in-memory path when the checkpoint fits, else the layer-streamed one (said on stderr)."""
+    if request.placement is not None:
+        return False
+    from prunetool.memory import memory_available_bytes
+
+    need, available = checkpoint_bytes(source.path), memory_available_bytes()
+    if available is None or need <= 0.8 * available:
+        return False
+    console.print(f"the checkpoint ({need / 2**30:.2f} GiB) does not fit in the memory this process may use "
+                  f"({available / 2**30:.2f} GiB): reading one decoder layer at a time (--low-memory)", highlight=False)
+    return True
+
+
+def checkpoint_bytes(folder) -> int:
+    return sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
+
+
+def streamed_model(source, calibration: CalibrationSet, request: PruneRequest):
+    """A StreamedModel whose embedding holds the rows every selection, patch and held-out window uses."""
+    import torch
+
+    from prunetool.loading import pick_device, pick_dtype
+    from prunetool.streaming import build_streamed
+
+    target = pick_device(request.device)
+    ids = calibration.input_ids.reshape(-1)
+    if calibration.held_out is not None:
+        ids = torch.cat([ids, calibration.held_out.reshape(-1)])
+    return build_streamed(source, ids, dtype=pick_dtype(request.dtype, target), device=target)
+
+
 def base_model_name(source) -> str:
     """The Hub id where one is known (demo aliases record theirs), else what the user typed."""
     alias = find_alias(source.spec) if source.kind == "alias" else None
@@ -325,10 +380,14 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     needs = None if manual is not None else CRITERIA[request.criterion].needs
     selects_on_windows = needs in ("model", "both") or (needs == "scores" and start.scores is None)
     model = calibration = setting = None
+    low_memory = request.low_memory or streams_by_itself(request, source, console)
     if verifying or selects_on_windows or patching:
         clock = time.perf_counter()
-        model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
-                                      trust_remote_code=request.trust_remote_code, placement=request.placement)
+        if low_memory:
+            model, tokenizer = None, FileTokenizer(source.path)
+        else:
+            model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
+                                          trust_remote_code=request.trust_remote_code, placement=request.placement)
         if patching and offloaded_to_disk(model):  # the fit writes into the kept weights, which sit on `meta`
             raise OptionError("--patch needs every kept weight in memory; raise --max-memory so nothing is offloaded "
                               "to disk, or prune first and patch on a larger machine")
@@ -336,7 +395,10 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         # after the text those scores saw (and after the patch windows), and its sha256 is checked against theirs
         patch_windows = patch_windows_for(request, start.calibration["seq_len"]) if patching else 0
         calibration = load_windows(start, tokenizer, model, source, selection=manual is None,
-                                   holdout=HOLDOUT_WINDOWS if verifying else 0, patch_windows=patch_windows)
+                                   holdout=HOLDOUT_WINDOWS if verifying else 0, patch_windows=patch_windows,
+                                   after_tokenizing=tokenizer.release if low_memory else None)
+        if low_memory:
+            model = streamed_model(source, calibration, request)
         console.print(f"loaded the model and {calibration.windows} selection/patch + "
                       f"{0 if calibration.held_out is None else len(calibration.held_out)} held-out windows in "
                       f"{time.perf_counter() - clock:.1f}s", highlight=False)
@@ -350,13 +412,16 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         plan, scores = choose(request, spec, scores, model, selection, console)
     result = {"plan": plan.to_json(), "dry_run": request.dry_run, "scores": scores.to_json() if scores else None}
     if request.dry_run:
-        return result
+        return result | {"low_memory": low_memory, "peak_rss_bytes": peak_rss_bytes()}
     perplexity_info = measure_perplexity(model, calibration, plan) if verifying else None
     replacements = patch = None
     if patching:
         patch_set = calibration.first(patch_windows)
         replacements, patch = patch_model(model, plan, patch_set, source, request, console)
-        if perplexity_info is not None:
+        if perplexity_info is not None and low_memory:
+            patched = model.perplexity(calibration.held_out, removed=plan.removed)
+            perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
+        elif perplexity_info is not None:
             with layers_removed(model, plan.removed):
                 patched = perplexity(model, calibration.held_out)
             perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
@@ -364,8 +429,9 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     verification: dict = {}
 
     def check(folder: Path) -> None:
-        verification.update(verify_checkpoint(folder, expected_layers=len(plan.kept), held_out=calibration.held_out,
-                                              expected_perplexity=perplexity_info["after"], setting=setting))
+        verify = verify_streamed if low_memory else verify_checkpoint
+        verification.update(verify(folder, expected_layers=len(plan.kept), held_out=calibration.held_out,
+                                   expected_perplexity=perplexity_info["after"], setting=setting))
 
     with window_progress(console) as progress:
         task = progress.add_task("writing shards", total=None)
@@ -378,4 +444,4 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
               "held_out": held_out}
     record_current_run(spec, source.path, scores.to_json() if scores is not None else None, start.calibration, pruned)
     return result | {"output": str(output), "perplexity": perplexity_info, "verification": verification or None,
-                     "patch": patch}
+                     "patch": patch, "low_memory": low_memory, "peak_rss_bytes": peak_rss_bytes()}

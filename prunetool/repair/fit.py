@@ -117,6 +117,19 @@ def fit_run(model, run: RunData, objective: str) -> RunPatch:
 
 
 def fit_runs(model, data: list[RunData], objective: str) -> list[RunPatch]:
+    """One RunPatch per run. `model` may be a layer-streamed StreamedModel (prune --low-memory): each
+    absorbing layer then holds its real weights only while its run is fitted."""
+    from prunetool.streaming import StreamedModel
+
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown patch objective {objective!r}; expected one of {OBJECTIVES}")
-    return [fit_run(model, run, objective) for run in data]
+    if not isinstance(model, StreamedModel):
+        return [fit_run(model, run, objective) for run in data]
+    patches = []
+    for run in data:
+        if run.site.kind in ("down_proj", "norm"):
+            with model.layer_loaded(run.site.layer):
+                patches.append(fit_run(model.model, run, objective))
+        else:  # skip sites only: streamed_sites never plans an embedding fold
+            patches.append(fit_run(model.model, run, objective))
+    return patches

@@ -43,8 +43,14 @@ def patched_perplexities(model, cuts: Iterable[Sequence[int]], fit_windows: torc
     """{cut: perplexity of `judge_windows` with the cut removed and its patch (fitted on `fit_windows`) folded in}."""
     from prunetool.in_memory import layers_removed
     from prunetool.perplexity import perplexity
+    from prunetool.repair.sites import streamed_sites
+    from prunetool.streaming import StreamedModel
 
-    sites_of = {tuple(sorted(cut)): plan_sites(model, sorted(cut)) for cut in cuts}
+    streamed = model if isinstance(model, StreamedModel) else None
+    if streamed is not None:
+        sites_of = {tuple(sorted(cut)): streamed_sites(streamed.model, sorted(cut)) for cut in cuts}
+    else:
+        sites_of = {tuple(sorted(cut)): plan_sites(model, sorted(cut)) for cut in cuts}
     sites = {(site.first, site.last): site for cut_sites in sites_of.values() for site in cut_sites}
     data = capture_runs(model, fit_windows, list(sites.values()), objective, batch_size=batch_size)
     fitted = {(patch_data.site.first, patch_data.site.last): patch
@@ -54,6 +60,10 @@ def patched_perplexities(model, cuts: Iterable[Sequence[int]], fit_windows: torc
         tensors = {}
         for site in cut_sites:
             tensors |= fitted[(site.first, site.last)].tensors
+        if streamed is not None:
+            with streamed.tensors_replaced({name: value.to(streamed.model.dtype) for name, value in tensors.items()}):
+                out[cut] = streamed.perplexity(judge_windows, removed=cut, batch_size=batch_size)
+            continue
         with tensors_replaced(model, tensors), layers_removed(model, cut):
             out[cut] = perplexity(model, judge_windows, batch_size=batch_size)
     return out

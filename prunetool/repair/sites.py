@@ -115,3 +115,12 @@ def post_mlp_norm(layer: nn.Module) -> nn.Module | None:
 
 def norm_name(layer: nn.Module) -> str | None:
     return next((name for name in POST_MLP_NORMS if isinstance(getattr(layer, name, None), nn.Module)), None)
+
+
+def streamed_sites(model: nn.Module, removed) -> list[PatchSite]:
+    """plan_sites for a layer-streamed model (prune --low-memory): a run from layer 0 is recorded as not
+    patched, since folding into the embedding needs the whole table in memory."""
+    return [PatchSite(site.first, site.last, "skip", final=site.final,
+                      reason="a run from layer 0 is not patched with --low-memory (the fold needs the whole "
+                             "embedding table in memory)")
+            if site.kind == "embedding" else site for site in plan_sites(model, removed)]
