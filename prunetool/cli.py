@@ -402,13 +402,18 @@ def heal(
                      "bfloat16 on GPU), float32, bfloat16, float16. With bfloat16 the student keeps float32 weights "
                      "and trains under bf16 autocast (2.5x faster on CPUs with AMX).")] = "auto",
     device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadOpt = None,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
     """Heal a pruned model by distilling its base's next-token distributions into it (forward KL)."""
     from prunetool.commands.heal import HealRequest, run_heal
+    from prunetool.placement import placement_from_options
 
-    request = HealRequest(model=model, teacher=teacher, calib=calib, tokens=tokens, epochs=epochs, seq_len=seq_len, train=train,
+    request = HealRequest(placement=placement_from_options(device_map, max_memory, offload_dir),
+                          model=model, teacher=teacher, calib=calib, tokens=tokens, epochs=epochs, seq_len=seq_len, train=train,
                           lora_rank=lora_rank, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                           temperature=temperature, ce_weight=ce_weight, save_every=save_every, resume=resume,
                           output=output_dir, force=force, verify=verify, dtype=dtype, device=device,

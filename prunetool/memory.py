@@ -86,3 +86,20 @@ def peak_rss_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def checkpoint_bytes(folder) -> int:
+    from pathlib import Path
+
+    return sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
+
+
+def streams_by_itself(folder, console) -> bool:
+    """True (said on stderr) when the checkpoint is larger than 80% of what this process may still allocate:
+    the commands then read one decoder layer at a time (--low-memory) instead of loading it."""
+    need, available = checkpoint_bytes(folder), memory_available_bytes()
+    if available is None or need <= 0.8 * available:
+        return False
+    console.print(f"the checkpoint ({need / 2**30:.2f} GiB) does not fit in the memory this process may use "
+                  f"({available / 2**30:.2f} GiB): reading one decoder layer at a time (--low-memory)", highlight=False)
+    return True

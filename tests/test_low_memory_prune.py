@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from prunetool.cli import app
 from prunetool.memory import memory_available_bytes
+from prunetool.runs import load_current_run
 from test_heal import calib_file  # noqa: F401
 from test_prune_cli import assert_refused
 from tiny_models import ARCHITECTURES
@@ -80,17 +81,22 @@ def test_memory_available_follows_a_data_rlimit():
     assert memory_available_bytes() is None or memory_available_bytes() > 0
 
 
-def test_prune_streams_by_itself_when_the_checkpoint_does_not_fit(tiny_checkpoint, calib_file, tmp_path,
-                                                                  monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("command", ["prune", "score", "heads"])
+def test_commands_stream_by_themselves_when_the_checkpoint_does_not_fit(command, tiny_checkpoint, calib_file, tmp_path,
+                                                                        monkeypatch):  # noqa: F811
     import prunetool.memory
 
     monkeypatch.setattr(prunetool.memory, "memory_available_bytes", lambda: 1000)
-    result = runner.invoke(app, ["prune", str(tiny_checkpoint("qwen3")), "--drop", "2", "--calib", str(calib_file),
-                                 "--seq-len", "32", "--samples", "4", "--device", "cpu", "--dtype", "float32",
-                                 "--output-dir", str(tmp_path / "auto"), "--json"])
+    extra = {"prune": ["--drop", "2", "--samples", "4", "--output-dir", str(tmp_path / "auto")],
+             "score": ["--samples", "4"], "heads": ["--samples", "2"]}[command]
+    result = runner.invoke(app, [command, str(tiny_checkpoint("qwen3")), "--calib", str(calib_file), "--seq-len", "32",
+                                 "--device", "cpu", "--dtype", "float32", "--json", *extra])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["low_memory"]
     assert "does not fit" in result.stderr and "one decoder layer at a time" in result.stderr
+    if command == "prune":
+        assert json.loads(result.stdout)["low_memory"]
+    if command == "score":
+        assert load_current_run()["options"]["low_memory"]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -144,3 +144,37 @@ def test_heads_on_a_spread_model_gives_the_plain_profiles(tiny_checkpoint, calib
         for key, value in ours.items():
             if isinstance(value, float):
                 assert theirs[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_heal_on_a_spread_model_trains_like_the_plain_load(tiny_checkpoint, calib_file, tmp_path):  # noqa: F811
+    """heal --device-map: teacher and student placed by accelerate (all on the CPU here) train to the same
+    losses and write the same tensors as the plain load."""
+    from test_heal import prune_tiny, tensors
+
+    prune_tiny(tiny_checkpoint, "qwen2", calib_file, tmp_path / "pruned")
+    folder = tiny_checkpoint("qwen2")
+    size = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    reports = []
+    for name, extra in (("plain", []), ("spread", ["--device-map", "auto", "--max-memory", f"cpu={4 * size}"])):
+        result = runner.invoke(app, ["heal", "--tokens", "512", "--seq-len", "32", "--batch-size", "2", "--device", "cpu",
+                                     "--output-dir", str(tmp_path / name), "--json", *extra])
+        assert result.exit_code == 0, result.output
+        reports.append(json.loads(result.stdout)["heal"])
+    plain, spread = reports
+    curve = [loss for _, loss in plain["loss_summary"]["curve"]]
+    assert [loss for _, loss in spread["loss_summary"]["curve"]] == pytest.approx(curve, rel=1e-5)
+    ours, theirs = tensors(tmp_path / "plain"), tensors(tmp_path / "spread")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.allclose(theirs[name], ours[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_heal_refuses_a_student_offloaded_to_disk(tiny_checkpoint, calib_file, tmp_path):  # noqa: F811
+    from test_heal import prune_tiny
+
+    prune_tiny(tiny_checkpoint, "llama", calib_file, tmp_path / "pruned")
+    out = tmp_path / "healed"
+    result = runner.invoke(app, ["heal", "--tokens", "64", "--seq-len", "32", "--device", "cpu", "--device-map", "auto",
+                                 "--max-memory", "cpu=60000", "--offload-dir", str(tmp_path / "offload"),
+                                 "--output-dir", str(out)])
+    assert_refused(result, "heal", "offloaded to disk", nothing_at=out)

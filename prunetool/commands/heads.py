@@ -31,6 +31,10 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     from prunetool.selection import parse_layers
 
     source = resolve_model(spec if spec is not None else current_model(), trust_remote_code=trust_remote_code)
+    if not low_memory and placement is None:
+        from prunetool.memory import streams_by_itself
+
+        low_memory = streams_by_itself(source.path, console)
     if low_memory:
         from prunetool.sources.tokenizer import FileTokenizer
         from prunetool.streaming import build_streamed

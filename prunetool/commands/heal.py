@@ -31,7 +31,7 @@ from prunetool.architecture import decoder_of
 from prunetool.calibration import load_calibration, recut_held_out
 from prunetool.checkpoint_io import remove_tree, write_json_atomic
 from prunetool.errors import CalibrationError, ModelSourceError, OptionError, PrunetoolError
-from prunetool.loading import load_model, pick_device, pick_dtype
+from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
 from prunetool.perplexity import perplexity
 from prunetool.progress import window_progress
 from prunetool.runs import current_pruned, current_run_path
@@ -68,6 +68,7 @@ class HealRequest:
     verify: bool = True
     dtype: str = "auto"
     device: str = "auto"
+    placement: object = None  # loading.Placement: teacher and student spread over devices by accelerate
     seed: int = 0
     trust_remote_code: bool = False
 
@@ -321,11 +322,14 @@ def run_heal(request: HealRequest, console: Console) -> dict:
     teacher_source = resolve_model(teacher_spec, trust_remote_code=request.trust_remote_code)
     student_source = resolve_model(str(folder), trust_remote_code=request.trust_remote_code)
     teacher, teacher_tokenizer = load_model(teacher_source, dtype=request.dtype, device=request.device,
-                                            trust_remote_code=request.trust_remote_code)
+                                            trust_remote_code=request.trust_remote_code, placement=request.placement)
     # the student trains in float32 (AdamW on bfloat16 weights loses small updates); with --dtype bfloat16 its
     # matmuls run under bf16 autocast, on GPU and CPU alike (2.5x faster on a CPU with AMX: docs/repair.md)
     student, tokenizer = load_model(student_source, dtype="float32", device=request.device,
-                                    trust_remote_code=request.trust_remote_code)
+                                    trust_remote_code=request.trust_remote_code, placement=request.placement)
+    if offloaded_to_disk(student):  # training writes into the weights, which would sit on `meta`
+        raise OptionError("heal trains the student's weights, so none may be offloaded to disk; raise --max-memory "
+                          "(the teacher may still spill to disk when it is the larger model)")
     check_same_tokenizer(tokenizer, teacher_tokenizer, student, teacher, teacher_spec)
     base = dataclasses.replace(teacher_source, spec=record.get("base_model") or teacher_spec,
                                path=Path(record["source_path"]))

@@ -36,7 +36,7 @@ from prunetool.errors import CalibrationError, OptionError
 from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
 from prunetool.in_memory import layers_removed
 from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
-from prunetool.memory import peak_rss_bytes
+from prunetool.memory import peak_rss_bytes, streams_by_itself
 from prunetool.perplexity import perplexity
 from prunetool.plan import PrunePlan
 from prunetool.progress import window_progress
@@ -326,24 +326,6 @@ def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: V
     }
 
 
-def streams_by_itself(request: PruneRequest, source, console: Console) -> bool:
-    """The in-memory path when the checkpoint fits, else the layer-streamed one (said on stderr)."""
-    if request.placement is not None:
-        return False
-    from prunetool.memory import memory_available_bytes
-
-    need, available = checkpoint_bytes(source.path), memory_available_bytes()
-    if available is None or need <= 0.8 * available:
-        return False
-    console.print(f"the checkpoint ({need / 2**30:.2f} GiB) does not fit in the memory this process may use "
-                  f"({available / 2**30:.2f} GiB): reading one decoder layer at a time (--low-memory)", highlight=False)
-    return True
-
-
-def checkpoint_bytes(folder) -> int:
-    return sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
-
-
 def streamed_model(source, calibration: CalibrationSet, request: PruneRequest):
     """A StreamedModel whose embedding holds the rows every selection, patch and held-out window uses."""
     import torch
@@ -380,7 +362,7 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     needs = None if manual is not None else CRITERIA[request.criterion].needs
     selects_on_windows = needs in ("model", "both") or (needs == "scores" and start.scores is None)
     model = calibration = setting = None
-    low_memory = request.low_memory or streams_by_itself(request, source, console)
+    low_memory = request.low_memory or (request.placement is None and streams_by_itself(source.path, console))
     if verifying or selects_on_windows or patching:
         clock = time.perf_counter()
         if low_memory:

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from prunetool.checkpoint_io import staged_folder
+from prunetool.loading import input_device
 from prunetool.errors import TrainingError
 from prunetool.repair.distill import distill_loss, lr_factor, warmup_steps
 
@@ -101,7 +102,7 @@ def train(student, teacher, windows: torch.Tensor, config: TrainConfig, *, check
     Needs N >= steps * batch_size * grad_accum. A non-finite loss stops training with a TrainingError
     before the step is applied; the caller then publishes nothing.
     """
-    device = next(student.parameters()).device
+    device = input_device(student)  # where its embedding is: the first device of a spread (--device-map) model
     parameters = list(trainable(student).values())
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.steps, config.warmup))
@@ -131,7 +132,8 @@ def train(student, teacher, windows: torch.Tensor, config: TrainConfig, *, check
                 teacher_logits = teacher(input_ids=batch, use_cache=False).logits
             with autocast:
                 student_logits = student(input_ids=batch, use_cache=False).logits
-            loss = distill_loss(student_logits, teacher_logits, batch, temperature=config.temperature,
+            teacher_logits = teacher_logits.to(student_logits.device)  # spread models may end on other devices
+            loss = distill_loss(student_logits, teacher_logits, batch.to(student_logits.device), temperature=config.temperature,
                                 ce_weight=config.ce_weight)
             value = float(loss.detach())
             if not math.isfinite(value):
