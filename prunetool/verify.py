@@ -112,13 +112,18 @@ def verify_checkpoint(folder: Path, *, expected_layers: int, held_out: torch.Ten
             cache_check = {"cached_logprob_gap": cached_logprob_gap(model, prompt, uncached, setting)}
     result = {"layers": layers, **cache_check, "generated_tokens": len(uncached), **setting.describe()}
     if held_out is not None:
-        measured = perplexity(model, held_out)
-        result["perplexity"] = measured
-        if expected_perplexity is not None and not math.isclose(measured, expected_perplexity, rel_tol=setting.rtol):
-            raise VerificationError(f"the reloaded checkpoint's perplexity {measured:.4f} differs from the in-memory "
-                                    f"prune's {expected_perplexity:.4f} by more than {setting.rtol:g} (relative, "
-                                    f"{result['dtype']} on {result['device']})")
+        result["perplexity"] = check_perplexity(perplexity(model, held_out), expected_perplexity, setting,
+                                                "the reloaded checkpoint's")
     return result
+
+
+def check_perplexity(measured: float, expected: float | None, setting: VerifySetting, what: str) -> float:
+    """`measured` if it equals the in-memory prune's `expected` within the setting's tolerance, else a VerificationError."""
+    if expected is not None and not math.isclose(measured, expected, rel_tol=setting.rtol):
+        described = setting.describe()
+        raise VerificationError(f"{what} perplexity {measured:.4f} differs from the in-memory prune's {expected:.4f} "
+                                f"by more than {setting.rtol:g} (relative, {described['dtype']} on {described['device']})")
+    return measured
 
 
 def verify_streamed(folder: Path, *, expected_layers: int, held_out: torch.Tensor | None,
@@ -145,10 +150,6 @@ def verify_streamed(folder: Path, *, expected_layers: int, held_out: torch.Tenso
               "not_checked": "decoding with and without the KV cache (needs the whole model in memory)",
               **setting.describe()}
     if held_out is not None:
-        measured = streamed.perplexity(held_out)
-        result["perplexity"] = measured
-        if expected_perplexity is not None and not math.isclose(measured, expected_perplexity, rel_tol=setting.rtol):
-            raise VerificationError(f"the written checkpoint's perplexity {measured:.4f} differs from the in-memory "
-                                    f"prune's {expected_perplexity:.4f} by more than {setting.rtol:g} (relative, "
-                                    f"{result['dtype']} on {result['device']}, read layer by layer)")
+        result["perplexity"] = check_perplexity(streamed.perplexity(held_out), expected_perplexity, setting,
+                                                "the written checkpoint's (read layer by layer)")
     return result
