@@ -46,7 +46,6 @@ EVAL_SEQ_LEN, EVAL_WINDOWS = 512, 16
 ROW = re.compile(r"^(?P<patch>patch\+)?(?P<mode>heal|ce)@(?P<tokens>\d+(?:\.\d+)?[km]?)(?:/lr=(?P<lr>[0-9.e-]+))?"
                  r"(?:/ce=(?P<ce>[0-9.]+))?(?:/ep=(?P<ep>\d+))?(?:/bs=(?P<bs>\d+))?"
                  r"(?:/train=(?P<train>lora|adjacent|all))?(?:/r=(?P<rank>\d+))?$")
-ROW_OPTIONS = ("lr", "ce", "bs", "train", "rank")  # a row that sets any of these is not the default heal
 
 
 def parse_tokens(text: str) -> int:

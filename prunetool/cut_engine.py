@@ -27,7 +27,6 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch import nn
 
 from prunetool.architecture import TESTED, decoder_of
 from prunetool.perplexity import _head_nll_sum, perplexity, perplexity_from_mean
@@ -57,7 +56,7 @@ class CutEngine:
         self.model, self.batch_size = model, max(1, batch_size)
         self.decoder = decoder_of(model)
         self.layers = list(self.decoder.layers)
-        self.device = self.streamed.device if self.streamed is not None else input_device(model)
+        self.device = input_device(model)  # the embedding's device, for a streamed model too
         inputs = self.streamed.remap(windows) if self.streamed is not None else windows  # embedding rows
         self.batches = [inputs[start:start + self.batch_size].to(self.device, torch.long)
                         for start in range(0, windows.shape[0], self.batch_size)]

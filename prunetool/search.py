@@ -66,14 +66,9 @@ class _LazyEngine:
 
 def _full_forward(req: SelectionRequest, windows: torch.Tensor, removed) -> float:
     """Perplexity of `windows` with `removed` gone, by a plain forward of the cut model (no engine)."""
-    from prunetool.in_memory import layers_removed
-    from prunetool.perplexity import perplexity
-    from prunetool.streaming import StreamedModel
+    from prunetool.perplexity import cut_perplexity
 
-    if isinstance(req.model, StreamedModel):  # prune --low-memory: one layer in memory at a time
-        return req.model.perplexity(windows, removed=sorted(removed), batch_size=req.batch_size)
-    with layers_removed(req.model, sorted(removed)):
-        return perplexity(req.model, windows, batch_size=req.batch_size)
+    return cut_perplexity(req.model, windows, removed=sorted(removed), batch_size=req.batch_size)
 
 
 class _Steps:

@@ -204,15 +204,19 @@ class StreamedModel:
         finally:
             self.streamer.release(layer)
 
-    @contextlib.contextmanager
-    def tensors_replaced(self, tensors: dict[str, torch.Tensor]):
+    def replace_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Decoder-relative tensors (e.g. `layers.5.mlp.down_proj.weight`) used instead of the checkpoint's
-        whenever their layer loads inside the block; only decoder-layer tensors can be replaced."""
+        whenever their layer loads from now on; only decoder-layer tensors can be replaced."""
         prefix = self.streamer.layer_prefix.removesuffix("layers.")
         if any(not name.startswith("layers.") for name in tensors):
             raise ValueError("only decoder-layer tensors can be replaced on a streamed model")
-        saved = dict(self.streamer.overrides)
         self.streamer.overrides.update({prefix + name: value for name, value in tensors.items()})
+
+    @contextlib.contextmanager
+    def tensors_replaced(self, tensors: dict[str, torch.Tensor]):
+        """replace_tensors for the duration of the block only."""
+        saved = dict(self.streamer.overrides)
+        self.replace_tensors(tensors)
         try:
             yield
         finally:

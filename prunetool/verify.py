@@ -93,11 +93,7 @@ def verify_checkpoint(folder: Path, *, expected_layers: int, held_out: torch.Ten
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=setting.dtype).eval().to(setting.device)
     except Exception as error:  # whatever the loader raises, the checkpoint is unusable
         raise VerificationError(f"the written checkpoint does not reload: {error}") from error
-    layers = len(model.get_decoder().layers)
-    configured = model.config.get_text_config(decoder=True).num_hidden_layers
-    if layers != expected_layers or configured != expected_layers:
-        raise VerificationError(f"the reloaded checkpoint has {layers} layers (config says {configured}), "
-                                f"expected {expected_layers}")
+    layers = check_layer_count(model, expected_layers, "the reloaded checkpoint")
     prompt = held_out[:1, :PROMPT_TOKENS] if held_out is not None else torch.tensor([[1, 2, 3, 4]])
     prompt = prompt.to(setting.device)
     with torch.inference_mode(), quiet_transformers():
@@ -115,6 +111,15 @@ def verify_checkpoint(folder: Path, *, expected_layers: int, held_out: torch.Ten
         result["perplexity"] = check_perplexity(perplexity(model, held_out), expected_perplexity, setting,
                                                 "the reloaded checkpoint's")
     return result
+
+
+def check_layer_count(model, expected: int, what: str) -> int:
+    """The decoder's layer count, if both it and the config say `expected`, else a VerificationError."""
+    layers = len(decoder_of(model).layers)
+    configured = model.config.get_text_config(decoder=True).num_hidden_layers
+    if layers != expected or configured != expected:
+        raise VerificationError(f"{what} has {layers} layers (config says {configured}), expected {expected}")
+    return layers
 
 
 def check_perplexity(measured: float, expected: float | None, setting: VerifySetting, what: str) -> float:
@@ -141,11 +146,7 @@ def verify_streamed(folder: Path, *, expected_layers: int, held_out: torch.Tenso
         streamed = build_streamed(SimpleNamespace(path=Path(folder)), probe, dtype=setting.dtype, device=setting.device)
     except Exception as error:  # whatever the loader raises, the checkpoint is unusable
         raise VerificationError(f"the written checkpoint does not load layer by layer: {error}") from error
-    layers = len(decoder_of(streamed.model).layers)
-    configured = streamed.model.config.get_text_config(decoder=True).num_hidden_layers
-    if layers != expected_layers or configured != expected_layers:
-        raise VerificationError(f"the written checkpoint has {layers} layers (config says {configured}), "
-                                f"expected {expected_layers}")
+    layers = check_layer_count(streamed.model, expected_layers, "the written checkpoint")
     result = {"layers": layers, "low_memory": True,
               "not_checked": "decoding with and without the KV cache (needs the whole model in memory)",
               **setting.describe()}

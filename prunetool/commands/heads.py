@@ -31,19 +31,21 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     from prunetool.selection import parse_layers
 
     source = resolve_model(spec if spec is not None else current_model(), trust_remote_code=trust_remote_code)
+
+    def calibrate(tokenizer, model):
+        return load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples, model=model,
+                                model_key=model_key(source))
+
     if not low_memory and placement is None:
         from prunetool.memory import streams_by_itself
 
         low_memory = streams_by_itself(source.path, console)
     if low_memory:
+        from prunetool.loading import pick_device, pick_dtype
         from prunetool.sources.tokenizer import FileTokenizer
         from prunetool.streaming import build_streamed
 
-        tokenizer = FileTokenizer(source.path)
-        calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples,
-                                       model=None, model_key=model_key(source))
-        from prunetool.loading import pick_device, pick_dtype
-
+        calibration = calibrate(FileTokenizer(source.path), None)
         target = pick_device(device)
         streamed = build_streamed(source, calibration.input_ids, dtype=pick_dtype(dtype, target), device=target,
                                   attn_implementation="eager")
@@ -56,9 +58,8 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     caps = layer_caps(model.config.get_text_config(decoder=True), seq_len, layout.num_layers)
     if kv_budget is not None:
         check_kv_budget(kv_budget, caps)
-    if not low_memory:
-        calibration = load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples,
-                                       model=model, model_key=model_key(source))
+    if not low_memory:  # after the checks above: generating calibration text can take minutes
+        calibration = calibrate(tokenizer, model)
         windows = calibration.input_ids
     with window_progress(console) as progress:
         task = progress.add_task("probing heads", total=calibration.windows)

@@ -34,10 +34,9 @@ from prunetool.architecture import decoder_of
 from prunetool.checkpoint_io import text_num_layers, text_section
 from prunetool.errors import CalibrationError, OptionError
 from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
-from prunetool.in_memory import layers_removed
 from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
 from prunetool.memory import peak_rss_bytes, streams_by_itself
-from prunetool.perplexity import perplexity
+from prunetool.perplexity import cut_perplexity
 from prunetool.plan import PrunePlan
 from prunetool.progress import window_progress
 from prunetool.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS
@@ -228,13 +227,8 @@ def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> d
     held = calibration.describe_held_out()
     after = (f"that follow the {held['after_windows']} selection windows, from token {held['first_token']}"
              if held["after_windows"] else f"from token {held['first_token']} (no selection windows: --layers)")
-    if isinstance(model, StreamedModel):
-        before = model.perplexity(calibration.held_out)
-        pruned = model.perplexity(calibration.held_out, removed=plan.removed)
-    else:
-        before = perplexity(model, calibration.held_out)
-        with layers_removed(model, plan.removed):
-            pruned = perplexity(model, calibration.held_out)
+    before = cut_perplexity(model, calibration.held_out)
+    pruned = cut_perplexity(model, calibration.held_out, removed=plan.removed)
     return {"before": before, "after": pruned, "held_out": held,
             "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
 
@@ -288,8 +282,7 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
             replacements[disk_name] = value
         runs.append(record)
     if streamed is not None:  # from now on each patched layer loads its new tensors
-        streamed.streamer.overrides.update({streamed.streamer.layer_prefix.removesuffix("layers.") + name: value
-                                            for name, value in in_model.items()})
+        streamed.replace_tensors(in_model)
     record = {"objective": objective, "windows": calibration.windows, "tokens": calibration.tokens,
               "seq_len": calibration.seq_len, "stride": calibration.stride,
               "windows_used": "the first windows of the calibration stream (the selection windows and, "
@@ -400,12 +393,8 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     if patching:
         patch_set = calibration.first(patch_windows)
         replacements, patch = patch_model(model, plan, patch_set, source, request, console)
-        if perplexity_info is not None and low_memory:
-            patched = model.perplexity(calibration.held_out, removed=plan.removed)
-            perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
-        elif perplexity_info is not None:
-            with layers_removed(model, plan.removed):
-                patched = perplexity(model, calibration.held_out)
+        if perplexity_info is not None:
+            patched = cut_perplexity(model, calibration.held_out, removed=plan.removed)
             perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
     output = Path(request.output or default_output(spec, plan))
     verification: dict = {}

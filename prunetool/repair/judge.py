@@ -41,8 +41,7 @@ def tensors_replaced(model, tensors: dict[str, torch.Tensor]):
 def patched_perplexities(model, cuts: Iterable[Sequence[int]], fit_windows: torch.Tensor, judge_windows: torch.Tensor,
                          objective: str, *, batch_size: int = 1) -> dict[tuple[int, ...], float]:
     """{cut: perplexity of `judge_windows` with the cut removed and its patch (fitted on `fit_windows`) folded in}."""
-    from prunetool.in_memory import layers_removed
-    from prunetool.perplexity import perplexity
+    from prunetool.perplexity import cut_perplexity
     from prunetool.repair.sites import streamed_sites
     from prunetool.streaming import StreamedModel
 
@@ -60,10 +59,8 @@ def patched_perplexities(model, cuts: Iterable[Sequence[int]], fit_windows: torc
         tensors = {}
         for site in cut_sites:
             tensors |= fitted[(site.first, site.last)].tensors
-        if streamed is not None:
-            with streamed.tensors_replaced({name: value.to(streamed.model.dtype) for name, value in tensors.items()}):
-                out[cut] = streamed.perplexity(judge_windows, removed=cut, batch_size=batch_size)
-            continue
-        with tensors_replaced(model, tensors), layers_removed(model, cut):
-            out[cut] = perplexity(model, judge_windows, batch_size=batch_size)
+        replaced = (streamed.tensors_replaced({name: value.to(streamed.model.dtype) for name, value in tensors.items()})
+                    if streamed is not None else tensors_replaced(model, tensors))
+        with replaced:
+            out[cut] = cut_perplexity(model, judge_windows, removed=cut, batch_size=batch_size)
     return out
