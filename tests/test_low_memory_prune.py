@@ -183,3 +183,13 @@ def test_memory_available_follows_a_memory_cgroup(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout
     assert 0 < int(out) < 3 * 2**30
+
+
+def test_low_memory_prune_without_text_says_how_to_get_it(tiny_checkpoint, tmp_path):
+    """No cached generated text and no model to generate it: one line that names the way out (and not the
+    too-short-text hint, which would mislead here)."""
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["prune", str(tiny_checkpoint("llama")), "--drop", "2", "--seq-len", "32",
+                                 "--device", "cpu", "--low-memory", "--output-dir", str(out)])
+    assert_refused(result, "not generated yet", "--calib", nothing_at=out)
+    assert "--no-verify" not in result.stderr

@@ -179,6 +179,8 @@ def load_windows(start: StartingPoint, tokenizer, model, source, *, selection: b
                                    samples=samples, model=model, model_key=model_key(source), holdout=holdout,
                                    small=not selection, after_tokenizing=after_tokenizing)
     except CalibrationError as error:
+        if getattr(error, "available", None) is None:  # not a too-short text: the hint below would mislead
+            raise
         what = f"{samples} selection" if not patch_windows else f"{samples} selection and patch"
         fix = "--samples" if not patch_windows else "--samples or --patch-windows"
         raise CalibrationError(f"{error} (prune holds out {holdout} windows after the {what} windows; pass "
