@@ -499,7 +499,7 @@ def evaluate(
                                                         show_default=False)] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated: wikitext, lambada_openai, arc_easy, "
                      "arc_challenge, piqa, winogrande (local with --data-dir), hop_number, hop_name (or e.g. hop_name_512), "
-                     "heldout_ppl, or any lm-eval task (online).")] = None,
+                     "heldout_ppl, needle, multikey (or e.g. needle_2048), or any lm-eval task (online).")] = None,
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Folder with the local evaluation files "
                         "(also PRUNETOOL_DATA_DIR); see docs/evaluation.md.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="First N documents per task (hop probes: N per length).")] = None,
@@ -522,6 +522,12 @@ def evaluate(
     tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", help="vllm: GPUs per model replica.")] = 1,
     data_parallel: Annotated[int, typer.Option("--data-parallel", help="vllm: model replicas (for hf, run lm-eval "
                              "under `accelerate launch`: docs/evaluation.md).")] = 1,
+    kv_budget: Annotated[Optional[list[str]], typer.Option("--kv-budget", help="Also run the long-context tasks "
+                         "(default needle_1024, multikey_1024, hop_number_512, hop_name_512) on a compressed KV cache: "
+                         "uniform:B, pyramid:B, tappa:B, tappa-floor:B, tappa-cake:B (B tokens per layer on average) or a JSON file "
+                         "of per-layer budgets (heads --kv-budget writes one); repeat to compare.")] = None,
+    kv_window: Annotated[int, typer.Option("--kv-window", help="Prompt tokens at the end whose attention ranks what "
+                         "the cache keeps (SnapKV's observation window).")] = 32,
     output_file: Annotated[Optional[Path], typer.Option("--output-file", help="Write lm-eval's results for each model "
                            "plus a prunetool section to this JSON file.")] = None,
     old_output: OldOutputOpt = None,
@@ -539,7 +545,7 @@ def evaluate(
     from prunetool.checkpoint_io import write_json_atomic
     from prunetool.commands.eval import EvalRequest, jsonable, run_eval
     from prunetool.placement import placement_from_options
-    from prunetool.report import eval_table, hop_table
+    from prunetool.report import eval_rows, eval_table, hop_table, long_context_table
 
     placement = placement_from_options(device_map, max_memory, offload_dir)
 
@@ -548,17 +554,18 @@ def evaluate(
                           num_fewshot=num_fewshot, batch_size=batch_size, max_length=max_length,
                           calibration=calibration, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                           backend=backend, tensor_parallel=tensor_parallel, data_parallel=data_parallel,
-                          placement=placement)
+                          placement=placement, kv_budgets=tuple(kv_budget or ()), kv_window=kv_window)
     report = jsonable(run_eval(request, err))
     if output is not None:
         write_json_atomic(output, report)
     if json_out:
         typer.echo(json.dumps(report))
     else:
-        out.print(eval_table(report))
-        hops = hop_table(report)
-        if hops is not None:
-            out.print(hops)
+        if eval_rows(report):
+            out.print(eval_table(report))
+        for extra in (hop_table(report), long_context_table(report)):
+            if extra is not None:
+                out.print(extra)
     err.print(f"time: {report['prunetool']['seconds']:.1f}s" + (f"; results written to {output}" if output else ""),
               highlight=False)
 

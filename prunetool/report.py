@@ -170,6 +170,27 @@ def hop_table(report: dict) -> Table | None:
     return table
 
 
+def long_context_table(report: dict) -> Table | None:
+    """Long-context accuracy per KV cache: one row per model and cache (full, then each --kv-budget schedule)."""
+    entries = {label: entry["long_context"] for label, entry in report["models"].items() if entry.get("long_context")}
+    if not entries:
+        return None
+    tasks = list(next(iter(entries.values()))["tasks"])
+    window = next(iter(entries.values()))["window"]
+    table = Table(title=f"long-context accuracy by KV cache (SnapKV-style, window {window})", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for header in ("model", "cache", *tasks, "mean", "tokens/layer", "of full"):
+        table.add_column(header, justify="left" if header in ("model", "cache") else "right")
+    for label, result in entries.items():
+        for column in result["columns"]:
+            cache = result["cache"][column]
+            share = cache["share_of_full"]
+            table.add_row(label, column, *(f"{result['tasks'][task]['accuracy'][column]:.2f}" for task in tasks),
+                          f"{result['mean_accuracy'][column]:.3f}", f"{cache['mean_tokens_per_layer']:.0f}",
+                          "—" if share is None else f"{share:.0%}")
+    return table
+
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 

@@ -13,7 +13,8 @@ from handset_heads import EXPECTED, EXPECTED_SWAP, SEASONAL_PERIOD, build_handse
 from prunetool.cli import app
 from prunetool.errors import OptionError
 from prunetool.heads.analysis import analyse
-from prunetool.heads.budget import kv_budgets, water_fill, whole_tokens
+from prunetool.heads.budget import kv_budgets
+from prunetool.kv.schedules import water_fill, whole_tokens
 from prunetool.heads.patterns import attention_profiles, classify, profile_rows
 from prunetool.heads.probe import probe_heads
 from prunetool.heads.rope import rope_angles

@@ -23,9 +23,13 @@ from prunetool.errors import OptionError
 from prunetool.evaluation.runner import (
     BACKENDS, TaskManagers, evaluate_tasks, heldout_perplexity, make_lm, make_vllm_lm, vllm_arguments,
 )
+from prunetool.evaluation.kv_eval import evaluate_long_context
+from prunetool.evaluation.long_context import load_haystack, parse_name
 from prunetool.evaluation.tasks import (
-    HELDOUT, data_dir_from, default_task_names, plan_tasks, split_names,
+    DEFAULT_KV, HELDOUT, TaskPlan, data_dir_from, default_task_names, plan_tasks, split_names,
 )
+from prunetool.kv.schedules import parse_schedule
+from prunetool.kv.snapkv import WINDOW
 from prunetool.calibration import HOLDOUT_WINDOWS, load_calibration, recut_held_out
 from prunetool.in_memory import prune_in_memory
 from prunetool.loading import load_model
@@ -53,6 +57,8 @@ class EvalRequest:
     tensor_parallel: int = 1  # vllm only
     data_parallel: int = 1  # vllm only; for hf, `accelerate launch -m lm_eval` (docs/evaluation.md)
     placement: object = None  # loading.Placement: hf backend spread over devices by accelerate
+    kv_budgets: tuple[str, ...] = ()  # schedules: long-context tasks also run on compressed KV caches
+    kv_window: int = WINDOW  # SnapKV's observation window
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,7 @@ def check_backend(request: EvalRequest) -> None:
 
 def check_vllm_plans(plans, chosen) -> None:
     """vLLM loads folders and returns log-likelihoods only: no in-memory cut, no probes that read hidden states."""
-    probes = [plan.name for plan in plans if plan.kind in ("hop", "heldout")]
+    probes = [plan.name for plan in plans if plan.kind in ("hop", "heldout", "long")]
     if probes:
         raise OptionError(f"--backend vllm runs lm-eval tasks only; {', '.join(probes)} need --backend hf "
                           "(pass --tasks without them)")
@@ -150,6 +156,35 @@ def check_vllm_plans(plans, chosen) -> None:
     if in_memory:
         raise OptionError(f"--backend vllm loads checkpoints from disk, and {', '.join(in_memory)} exists only in "
                           "memory (a patched run's plain cut); write it with `prunetool prune` or use --backend hf")
+
+
+def kv_plans(plans: list[TaskPlan], request: EvalRequest) -> list[TaskPlan]:
+    """With --kv-budget every task runs on compressed caches: the hop probes move to the long-context runner,
+    and tasks that cannot (lm-eval's, held-out perplexity) are refused."""
+    if not request.kv_budgets:
+        return plans
+    if request.kv_window < 1:
+        raise OptionError(f"--kv-window must be at least 1 token, got {request.kv_window}")
+    if request.backend != "hf":
+        raise OptionError("--kv-budget compresses the cache inside this process: use --backend hf")
+    other = [plan.name for plan in plans if plan.kind not in ("hop", "long")]
+    if other:
+        raise OptionError(f"--kv-budget applies to the long-context tasks (needle, multikey, hop_number, hop_name, or "
+                          f"sized like needle_2048); run {', '.join(other)} without it")
+    return [TaskPlan(plan.name, "long") for plan in plans]
+
+
+def kv_schedules(request: EvalRequest, candidate: "Candidate", source) -> list:
+    """Each --kv-budget checked against this model's layer count and context, before anything is loaded."""
+    if not request.kv_budgets:
+        return []
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.path, trust_remote_code=request.trust_remote_code)
+    text = config.get_text_config(decoder=True)
+    layers = text.num_hidden_layers - len(candidate.remove)
+    context = getattr(text, "max_position_embeddings", None) or 2**31
+    return [parse_schedule(schedule, num_layers=layers, max_context=context) for schedule in request.kv_budgets]
 
 
 def run_eval(request: EvalRequest, console: Console) -> dict:
@@ -164,19 +199,22 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         raise OptionError(f"--batch-size must be a positive integer or auto, got {request.batch_size!r}")
     check_backend(request)
     data_dir = data_dir_from(request.data_dir)
-    names = split_names(request.tasks) or default_task_names(data_dir)
-    plans = plan_tasks(names, data_dir)
+    names = split_names(request.tasks) or (list(DEFAULT_KV) if request.kv_budgets else default_task_names(data_dir))
+    plans = kv_plans(plan_tasks(names, data_dir), request)
     chosen, pruning, calibration = candidates(request.models, request.calibration)
     if request.backend == "vllm":
         if request.placement is not None:
             raise OptionError("--device-map places the hf backend's model; vLLM places its own (--tensor-parallel)")
         check_vllm_plans(plans, chosen)
     sources = [resolve_model(c.spec, trust_remote_code=request.trust_remote_code) for c in chosen]
+    schedules = [kv_schedules(request, candidate, source) for candidate, source in zip(chosen, sources)]
+    long_tasks = [parse_name(plan.name) for plan in plans if plan.kind == "long"]
+    haystack = load_haystack(data_dir) if long_tasks else None
 
     started, clock = datetime.now(timezone.utc), time.perf_counter()
     managers = TaskManagers(data_dir)
     models: dict[str, dict] = {}
-    for candidate, source in zip(chosen, sources):
+    for candidate, source, model_schedules in zip(chosen, sources, schedules):
         model_clock = time.perf_counter()
         entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
         if request.backend == "vllm":
@@ -213,6 +251,15 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
                 show(HELDOUT)
                 entry[HELDOUT] = heldout_perplexity(model, *held_out)
                 progress.advance(bar)
+            if long_tasks:
+                def document_done(task: str, number: int, total: int):
+                    show(f"{task} {number}/{total}")
+                    if number == total:
+                        progress.advance(bar)
+
+                entry["long_context"] = evaluate_long_context(
+                    model, tokenizer, long_tasks, model_schedules, window=request.kv_window, haystack=haystack[0],
+                    limit=request.limit, on_document=document_done) | {"haystack": haystack[1]}
         entry["seconds"] = time.perf_counter() - model_clock
         models[candidate.label] = entry
         del lm, model, tokenizer
@@ -229,6 +276,7 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
             "limit": request.limit,
             "num_fewshot": request.num_fewshot,
             "backend": request.backend,
+            "kv_budgets": list(request.kv_budgets),
             "started": started.isoformat(timespec="seconds"),
             "seconds": time.perf_counter() - clock,
         },

@@ -154,7 +154,7 @@ def evaluate_tasks(lm, plans: list[TaskPlan], managers: TaskManagers, *, limit: 
     merged: dict = {key: {} for key in MERGED_KEYS}
     seconds = {}
     for plan in plans:
-        if plan.kind == "heldout":
+        if plan.kind in ("heldout", "long"):  # prunetool's own: held-out perplexity, long-context tasks (kv_eval)
             continue
         on_task(plan.name)
         clock = time.perf_counter()

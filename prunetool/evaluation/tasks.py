@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prunetool.errors import OptionError
-from prunetool.evaluation import hop
+from prunetool.evaluation import hop, long_context
 from prunetool.evaluation.local_data import DATA_DIR_ENV, LOCAL_TASKS, check_local_files
 from prunetool.network import hub_unavailable_reason
 
@@ -20,12 +20,13 @@ TASKS_DIR = Path(__file__).with_name("tasks")
 HELDOUT = "heldout_ppl"  # prunetool's own: perplexity on calibration windows never used for selection
 DEFAULT_LOCAL = ("wikitext", "lambada_openai", "arc_easy", "piqa", "winogrande")
 DEFAULT_OFFLINE = ("hop_number", "hop_name", HELDOUT)
+DEFAULT_KV = ("needle_1024", "multikey_1024", "hop_number_512", "hop_name_512")  # with --kv-budget
 
 
 @dataclass(frozen=True)
 class TaskPlan:
     name: str
-    kind: str  # "local" (shipped config on --data-dir), "hub" (lm-eval's own), "hop" or "heldout"
+    kind: str  # "local" (shipped config on --data-dir), "hub" (lm-eval's own), "hop", "heldout" or "long"
 
 
 def data_dir_from(option: Path | None) -> Path | None:
@@ -61,8 +62,11 @@ def plan_tasks(names: list[str], data_dir: Path | None) -> list[TaskPlan]:
     plans: list[TaskPlan] = []
     for name in names:
         expanded = hop.expand(name)
+        long_tasks = long_context.expand(name)
         if expanded:
             plans += [TaskPlan(probe, "hop") for probe in expanded]
+        elif long_tasks:
+            plans += [TaskPlan(task, "long") for task in long_tasks]
         elif name == HELDOUT:
             plans.append(TaskPlan(name, "heldout"))
         elif name in LOCAL_TASKS and data_dir is not None:
@@ -78,7 +82,8 @@ def plan_tasks(names: list[str], data_dir: Path | None) -> list[TaskPlan]:
             plans.append(TaskPlan(name, "hub"))
         else:
             raise OptionError(f"unknown task {name!r}: local tasks are {', '.join(LOCAL_TASKS)} (with --data-dir), "
-                              f"probes {', '.join(hop.KINDS)} (or e.g. hop_name_512) and {HELDOUT}; other names must "
+                              f"probes {', '.join(hop.KINDS)} (or e.g. hop_name_512), long-context {', '.join(long_context.KINDS)} "
+                              f"(or e.g. needle_2048) and {HELDOUT}; other names must "
                               "be lm-eval tasks (`lm-eval ls tasks`)")
     seen: set[str] = set()
     return [plan for plan in plans if not (plan.name in seen or seen.add(plan.name))]

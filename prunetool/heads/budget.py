@@ -7,52 +7,8 @@ length, or its sliding window), the excess going to the other layers, and all bu
 B times the number of layers.
 """
 
-import math
-
 from prunetool.errors import OptionError
-
-RECENT_QUERIES = 32  # TAPPA scores the last 32 prompt tokens' queries
-
-
-def water_fill(weights: list[float], total: float, caps: list[float]) -> list[float]:
-    """Shares proportional to `weights` summing to `total`, none above its cap; the excess is redistributed.
-
-    Layers whose proportional share would pass their cap are pinned to it and the rest is shared again
-    among the others, until no share passes its cap. Zero weights share equally if nothing else is left.
-    """
-    if total > sum(caps) + 1e-9:
-        raise OptionError(f"a total budget of {total:g} tokens exceeds what the layers can hold ({sum(caps):g})")
-    shares = [0.0] * len(weights)
-    open_layers = set(range(len(weights)))
-    remaining = total
-    while open_layers:
-        weight = sum(max(0.0, weights[i]) for i in open_layers)
-        proposal = {i: remaining * (max(0.0, weights[i]) / weight if weight > 0 else 1 / len(open_layers))
-                    for i in open_layers}
-        over = [i for i in open_layers if proposal[i] > caps[i]]
-        if not over:
-            for i in open_layers:
-                shares[i] = proposal[i]
-            break
-        for i in over:
-            shares[i] = caps[i]
-            remaining -= caps[i]
-            open_layers.remove(i)
-    return shares
-
-
-def whole_tokens(shares: list[float], caps: list[int]) -> list[int]:
-    """Round to integers with the same (integer) sum: floors, then +1 by largest remainder below the cap."""
-    floors = [min(cap, math.floor(share + 1e-9)) for share, cap in zip(shares, caps)]
-    missing = round(sum(shares)) - sum(floors)
-    order = sorted(range(len(shares)), key=lambda i: shares[i] - floors[i], reverse=True)
-    for i in order:
-        if missing <= 0:
-            break
-        if floors[i] < caps[i]:
-            floors[i] += 1
-            missing -= 1
-    return floors
+from prunetool.kv.schedules import RECENT_QUERIES, water_fill, whole_tokens
 
 
 def check_kv_budget(per_layer: int, caps: list[int]) -> None:

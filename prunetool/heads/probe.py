@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from prunetool.architecture import DecoderLayout, inspect_decoder
 from prunetool.capture import LayerTaps, attention_tap, capture_scores, check_complete
 from prunetool.errors import UnsupportedModelError
-from prunetool.heads.budget import RECENT_QUERIES
+from prunetool.kv.schedules import RECENT_QUERIES
 from prunetool.heads.patterns import attention_profiles, profile_rows
 from prunetool.heads.rope import channel_norms, channel_thetas, rope_angles
 from prunetool.heads.swap import SwapTally, block_size, choose_swaps, swapped_states

@@ -1,0 +1,185 @@
+"""KV-cache budgets applied (issue 16): long-context accuracy against average cache per layer, per schedule.
+
+For one model, every document of every task is prefilled once (prunetool.kv.snapkv, SnapKV-style scoring
+with a 32-token observation window); the full cache and each schedule's cache at each average budget are
+built from that prefill, and every choice is scored through each (prunetool.evaluation.kv_eval, the code
+`prunetool eval --kv-budget` runs). Schedules: uniform, pyramid (PyramidKV), tappa (TAPPA's 1 - q-similarity
+of the prompt's last 32 post-RoPE queries), tappa-floor (full-attention layers get at least the average),
+tappa-cake (1 - q-similarity times the window's attention entropy, after CAKE).
+
+Tasks (prunetool/evaluation/long_context.py): needle and multi-key retrieval in WikiText-2 text at 1k, 2k
+and 4k tokens (10 documents each: every needle depth twice), and the hop probes at 2048 items (20
+documents each). Nothing here is fitted or chosen: the schedules' rules are fixed in advance.
+
+Also reported: seconds of the prefill, of the compression step (schedule + top-k + gather) and of the
+scoring, and the memory the window scoring needs against a full attention matrix.
+
+Run:   nice .venv/bin/python bench/kv.py --model smollm2-135m
+Writes bench/results/kv-MODEL.json; `table` and `goals` render it for docs/kv.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+DATA = ROOT.parent / "shared" / "data"
+TASKS = "needle_1024,multikey_1024,needle_2048,multikey_2048,needle_4096,multikey_4096,hop_name_2048,hop_number_2048"
+SCHEDULES = "uniform,pyramid,tappa,tappa-floor,tappa-cake"
+BUDGETS = "64,128,256,512"
+SIMILARITY_SCHEDULES = ("tappa", "tappa-floor", "tappa-cake")
+SCHEDULE_ORDER = ("uniform", "pyramid", *SIMILARITY_SCHEDULES)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tasks", default=TASKS)
+    parser.add_argument("--schedules", default=SCHEDULES)
+    parser.add_argument("--budgets", default=BUDGETS)
+    parser.add_argument("--limit", type=int, default=10, help="documents per needle/multikey task")
+    parser.add_argument("--hop-limit", type=int, default=20, help="documents per hop task")
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args()
+
+    import torch
+    from rich.console import Console
+
+    from prunetool.evaluation.kv_eval import evaluate_long_context
+    from prunetool.evaluation.long_context import load_haystack, parse_name
+    from prunetool.kv.schedules import parse_schedule
+    from prunetool.loading import load_model
+    from prunetool.sources import resolve_model
+    from provenance import write_results
+
+    console = Console(stderr=True)
+    model, tokenizer = load_model(resolve_model(args.model), dtype=args.dtype, device="cpu")
+    text = model.config.get_text_config(decoder=True)
+    layers, context = text.num_hidden_layers, text.max_position_embeddings
+    schedules = [parse_schedule(f"{kind}:{budget}", num_layers=layers, max_context=context)
+                 for budget in args.budgets.split(",") for kind in args.schedules.split(",")]
+    haystack, source = load_haystack(DATA)
+    results = {"setting": {"model": args.model, "layers": layers, "context": context, "window": args.window,
+                           "dtype": args.dtype, "haystack": source, "schedules": args.schedules.split(","),
+                           "budgets": [int(b) for b in args.budgets.split(",")],
+                           "threads": torch.get_num_threads(),
+                           "sliding_window": getattr(text, "sliding_window", None),
+                           "kv_heads": text.num_key_value_heads, "heads": text.num_attention_heads,
+                           "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads},
+               "tasks": {}, "cache": {}, "seconds": {"prefill": 0.0, "compress": 0.0, "score": 0.0}}
+    clock = time.perf_counter()
+    for name in args.tasks.split(","):
+        task = parse_name(name)
+        limit = args.hop_limit if task.kind.startswith("hop") else args.limit
+        started = time.perf_counter()
+        result = evaluate_long_context(
+            model, tokenizer, [task], schedules, window=args.window, haystack=haystack, limit=limit,
+            on_document=lambda t, n, total: console.print(f"  {t} {n}/{total} {time.perf_counter() - started:.0f}s",
+                                                          highlight=False))
+        results["tasks"][name] = result["tasks"][name] | {"cache": result["cache"], "seconds": result["seconds"]}
+        for key, value in result["seconds"].items():
+            results["seconds"][key] += value
+        results["columns"] = result["columns"]
+        console.print(f"{name}: {result['tasks'][name]['accuracy']}", highlight=False)
+        results["total_seconds"] = round(time.perf_counter() - clock, 1)
+        write_results(args.name or f"kv-{args.model}", results)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def mean_accuracy(results: dict, column: str) -> float:
+    """Accuracy averaged over the tasks (each task weighs the same)."""
+    return _mean([task["accuracy"][column] for task in results["tasks"].values()])
+
+
+def share_of_full(results: dict, column: str) -> float:
+    """Kept positions over what the full cache holds, over all documents of all tasks."""
+    kept = [task["cache"][column]["share_of_full"] * task["documents"] for task in results["tasks"].values()]
+    return sum(kept) / sum(task["documents"] for task in results["tasks"].values())
+
+
+def table(results: dict) -> str:
+    """Mean accuracy per schedule (rows) and average budget (columns), then accuracy per task."""
+    setting, tasks = results["setting"], results["tasks"]
+    budgets, schedules = setting["budgets"], setting["schedules"]
+    full = mean_accuracy(results, "full")
+    lines = [f"{setting['model']}: mean accuracy over {len(tasks)} tasks ({sum(t['documents'] for t in tasks.values())} "
+             f"documents; full cache {full:.3f}); in brackets, the cache kept as a share of the full cache.", "",
+             "| schedule | " + " | ".join(f"{b} / layer" for b in budgets) + " |",
+             "|---|" + "---:|" * len(budgets)]
+    for kind in schedules:
+        cells = [f"{mean_accuracy(results, f'{kind}:{b}'):.3f} ({share_of_full(results, f'{kind}:{b}'):.0%})"
+                 for b in budgets]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines += ["", "| task | tokens | full | " + " | ".join(f"{k}:{b}" for b in budgets for k in schedules) + " |",
+              "|---|---:|---:|" + "---:|" * (len(budgets) * len(schedules))]
+    for name, task in tasks.items():
+        cells = [f"{task['accuracy'][f'{k}:{b}']:.2f}" for b in budgets for k in schedules]
+        lines.append(f"| {name} ({task['documents']}) | {task['mean_prompt_tokens']:.0f} | {task['accuracy']['full']:.2f} | "
+                     + " | ".join(cells) + " |")
+    seconds = results["seconds"]
+    documents = sum(t["documents"] for t in tasks.values())
+    configurations = len(results["columns"]) - 1
+    longest = max(t["mean_prompt_tokens"] for t in tasks.values())
+    heads, window = setting["heads"], setting["window"]
+    lines += ["", f"Cost on this CPU ({setting['threads']} threads, {setting['dtype']}): prefill "
+              f"{seconds['prefill'] / documents:.2f} s per document (all prompt tokens through the model once, window "
+              f"scores included); the compression step (schedule, top-k, gather) {1000 * seconds['compress'] / (documents * configurations):.1f} ms "
+              f"per document and schedule; scoring the choices through one cache {seconds['score'] / (documents * (configurations + 1)):.2f} s. "
+              f"The window scores need {window} x T logits per head and layer: {heads * window * longest * 4 / 2**20:.1f} MiB "
+              f"at the longest prompts ({longest:.0f} tokens) against {heads * longest * longest * 4 / 2**20:.0f} MiB for the full "
+              "T x T attention of one layer."]
+    return "\n".join(lines)
+
+
+def at_twelve_percent(results: dict, kind: str) -> float:
+    """Accuracy over tasks, each at the grid budget nearest 12.5% of its prompt (the full cache for `full`)."""
+    budgets = results["setting"]["budgets"]
+    values = []
+    for task in results["tasks"].values():
+        if kind == "full":
+            values.append(task["accuracy"]["full"])
+            continue
+        budget = min(budgets, key=lambda b: abs(b - task["mean_prompt_tokens"] / 8))
+        values.append(task["accuracy"][f"{kind}:{budget}"])
+    return _mean(values)
+
+
+def goals(*files: dict) -> str:
+    """Issue 16's goal: at every average budget <= 256, the best q-similarity schedule against uniform and pyramid."""
+    lines = ["| model | budget | uniform | pyramid | best q-similarity schedule | goal |", "|---|---:|---:|---:|---|---|"]
+    for results in files:
+        for budget in [b for b in results["setting"]["budgets"] if b <= 256]:
+            uniform = mean_accuracy(results, f"uniform:{budget}")
+            pyramid = mean_accuracy(results, f"pyramid:{budget}")
+            kinds = [k for k in SIMILARITY_SCHEDULES if k in results["setting"]["schedules"]]
+            best = max(kinds, key=lambda k: mean_accuracy(results, f"{k}:{budget}"))
+            value = mean_accuracy(results, f"{best}:{budget}")
+            met = value >= uniform and value >= pyramid
+            lines.append(f"| {results['setting']['model']} | {budget} | {uniform:.3f} | {pyramid:.3f} | {best} {value:.3f} | "
+                         + ("met" if met else f"missed by {max(uniform, pyramid) - value:.3f}") + " |")
+    lines += ["", "Stretch, each task at the budget nearest 12.5% of its prompt (1k tokens: 128, 2k: 256, 4k: 512):", "",
+              "| model | full | " + " | ".join(SCHEDULE_ORDER) + " | best q-similarity schedule within 0.02 of full |",
+              "|---|---:|" + "---:|" * len(SCHEDULE_ORDER) + "---|"]
+    for results in files:
+        full = at_twelve_percent(results, "full")
+        values = {kind: at_twelve_percent(results, kind) for kind in SCHEDULE_ORDER if kind in results["setting"]["schedules"]}
+        best = max((k for k in values if k in SIMILARITY_SCHEDULES), key=values.get)
+        verdict = "met" if values[best] >= full - 0.02 else f"missed by {full - 0.02 - values[best]:.3f}"
+        lines.append(f"| {results['setting']['model']} | {full:.3f} | "
+                     + " | ".join(f"{values[k]:.3f}" if k in values else "—" for k in SCHEDULE_ORDER)
+                     + f" | {best} {values[best]:.3f}: {verdict} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
