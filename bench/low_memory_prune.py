@@ -36,7 +36,7 @@ C4 = ROOT.parent / "shared" / "data" / "c4_en_sample_1000.jsonl"
 GIB = 1024 ** 3
 CGROUP = Path("/sys/fs/cgroup/memory/prunetool-bench")
 BASELINE = ("import torch, transformers, prunetool.commands.prune\n"
-            "from prunetool.memory import _status_kib\nprint(_status_kib({field!r}) * 1024)")
+            "from prunetool.memory import status_kib\nprint(status_kib({field!r}) * 1024)")
 
 
 def baseline_bytes(field: str) -> int:

@@ -19,7 +19,7 @@ def return_freed_memory() -> None:
         trim(0)
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str) -> int | None:
     """A `VmXxx:` line of /proc/self/status in KiB (Linux only)."""
     try:
         with open("/proc/self/status") as status:
@@ -73,7 +73,7 @@ def memory_available_bytes() -> int | None:
         pass
     for limit, field in ((resource.RLIMIT_DATA, "VmData"), (resource.RLIMIT_AS, "VmSize")):
         soft = resource.getrlimit(limit)[0]
-        used = _status_kib(field)
+        used = status_kib(field)
         if soft != resource.RLIM_INFINITY and used is not None:
             limits.append(max(0, soft - used * 1024))
     return min(limits) if limits else None
@@ -92,6 +92,11 @@ def checkpoint_bytes(folder) -> int:
     from pathlib import Path
 
     return sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
+
+
+def use_low_memory(requested: bool, placement, folder, console) -> bool:
+    """--low-memory as asked, or chosen here when no --device-map was given and the checkpoint does not fit."""
+    return requested or (placement is None and streams_by_itself(folder, console))
 
 
 def streams_by_itself(folder, console) -> bool:

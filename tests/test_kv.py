@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from handset_heads import build_handset_model
+from test_eval import FAST_CALIB, calib_file  # noqa: F401  (a fixture)
 from prunetool.cli import app
 from prunetool.errors import OptionError
 from prunetool.evaluation import long_context
@@ -385,3 +386,22 @@ def test_real_model_full_budget_matches_forward(name):
                             preference=prefilled.preference, full_attention=prefilled.full_attention)
     assert sum(snapkv.compress(prefilled, budgets).kept) == 64 * layers
     assert all(math.isfinite(q) for q in prefilled.q_similarity)
+
+
+def test_eval_kv_budget_on_the_current_run_compares_base_and_pruned(tiny_checkpoint, tmp_path, calib_file):
+    """With no MODEL each model gets its own schedule (the pruned one has fewer layers); a file for one
+    layer count is refused for the other, naming the model."""
+    source = tiny_checkpoint("gemma3_text", num_layers=6)
+    assert runner.invoke(app, ["score", str(source), "--calib", str(calib_file), *FAST_CALIB]).exit_code == 0
+    assert runner.invoke(app, ["prune", "--drop", "2", "--output", str(tmp_path / "pruned")]).exit_code == 0
+    result = runner.invoke(app, ["eval", "--tasks", "needle_128", "--limit", "2", "--kv-budget", "tappa-floor:6",
+                                 "--kv-window", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    models = json.loads(result.stdout)["models"]
+    assert list(models) == ["base", "pruned"]
+    for label in models:
+        assert models[label]["long_context"]["cache"]["tappa-floor:6"]["mean_tokens_per_layer"] == 6
+    path = tmp_path / "four.json"
+    path.write_text(json.dumps([5, 5, 5, 5]))
+    refused = runner.invoke(app, ["eval", "--tasks", "needle_128", "--kv-budget", str(path)])
+    assert refused.exit_code == 1 and "this model has 6 (model base)" in refused.output

@@ -184,7 +184,10 @@ def kv_schedules(request: EvalRequest, candidate: "Candidate", source) -> list:
     text = config.get_text_config(decoder=True)
     layers = text.num_hidden_layers - len(candidate.remove)
     context = getattr(text, "max_position_embeddings", None) or 2**31
-    return [parse_schedule(schedule, num_layers=layers, max_context=context) for schedule in request.kv_budgets]
+    try:
+        return [parse_schedule(schedule, num_layers=layers, max_context=context) for schedule in request.kv_budgets]
+    except OptionError as error:
+        raise OptionError(f"{error} (model {candidate.label})") from None
 
 
 def run_eval(request: EvalRequest, console: Console) -> dict:

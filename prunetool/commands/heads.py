@@ -36,10 +36,9 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
         return load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples, model=model,
                                 model_key=model_key(source))
 
-    if not low_memory and placement is None:
-        from prunetool.memory import streams_by_itself
+    from prunetool.memory import use_low_memory
 
-        low_memory = streams_by_itself(source.path, console)
+    low_memory = use_low_memory(low_memory, placement, source.path, console)
     if low_memory:
         from prunetool.loading import pick_device, pick_dtype
         from prunetool.sources.tokenizer import FileTokenizer

@@ -35,7 +35,7 @@ from prunetool.checkpoint_io import text_num_layers, text_section
 from prunetool.errors import CalibrationError, OptionError
 from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
 from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
-from prunetool.memory import peak_rss_bytes, streams_by_itself
+from prunetool.memory import peak_rss_bytes, use_low_memory
 from prunetool.perplexity import cut_perplexity
 from prunetool.plan import PrunePlan
 from prunetool.progress import window_progress
@@ -357,7 +357,7 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     needs = None if manual is not None else CRITERIA[request.criterion].needs
     selects_on_windows = needs in ("model", "both") or (needs == "scores" and start.scores is None)
     model = calibration = setting = None
-    low_memory = request.low_memory or (request.placement is None and streams_by_itself(source.path, console))
+    low_memory = use_low_memory(request.low_memory, request.placement, source.path, console)
     if verifying or selects_on_windows or patching:
         clock = time.perf_counter()
         if low_memory:

@@ -43,10 +43,9 @@ def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_siz
     num_layers = text_num_layers(source.config)
     if drop is not None and drop >= num_layers:  # before minutes of loading and scoring
         raise OptionError(f"--drop {drop} must be below the number of layers ({num_layers})")
-    if not low_memory and placement is None:
-        from prunetool.memory import streams_by_itself
+    from prunetool.memory import use_low_memory
 
-        low_memory = streams_by_itself(source.path, console)
+    low_memory = use_low_memory(low_memory, placement, source.path, console)
     if low_memory:
         model, tokenizer = None, FileTokenizer(source.path)
     else:
