@@ -14,8 +14,11 @@ documents each). Nothing here is fitted or chosen: the schedules' rules are fixe
 Also reported: seconds of the prefill, of the compression step (schedule + top-k + gather) and of the
 scoring, and the memory the window scoring needs against a full attention matrix.
 
-Run:   nice .venv/bin/python bench/kv.py --model smollm2-135m
-Writes bench/results/kv-MODEL.json; `table` and `goals` render it for docs/kv.md.
+Run:   nice .venv/bin/python bench/kv.py --model smollm2-135m      (and --model gemma3-270m)
+       .venv/bin/python bench/kv.py --plot                          (docs/kv.png; also make docs)
+       .venv/bin/python bench/kv.py --layers --model gemma3-270m     (per-layer budgets of each schedule)
+Writes bench/results/kv-MODEL.json (and kv_layers-MODEL.json); `table`, `goals` and `layers_table` render them
+for docs/kv.md.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ DATA = ROOT.parent / "shared" / "data"
 TASKS = "needle_1024,multikey_1024,needle_2048,multikey_2048,needle_4096,multikey_4096,hop_name_2048,hop_number_2048"
 SCHEDULES = "uniform,pyramid,tappa,tappa-floor,tappa-cake"
 BUDGETS = "64,128,256,512"
+PLOT = ROOT / "docs" / "kv.png"
+MODELS = ("smollm2-135m", "gemma3-270m")
 SIMILARITY_SCHEDULES = ("tappa", "tappa-floor", "tappa-cake")
 SCHEDULE_ORDER = ("uniform", "pyramid", *SIMILARITY_SCHEDULES)
 
@@ -90,6 +95,62 @@ def main() -> None:
         console.print(f"{name}: {result['tasks'][name]['accuracy']}", highlight=False)
         results["total_seconds"] = round(time.perf_counter() - clock, 1)
         write_results(args.name or f"kv-{args.model}", results)
+
+
+def layer_main() -> None:
+    """--layers: per-layer budgets each schedule gives at one average budget, over the first needle documents."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", action="store_true")
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--task", default="needle_2048")
+    parser.add_argument("--documents", type=int, default=5)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--schedules", default=SCHEDULES)
+    args = parser.parse_args()
+
+    from prunetool.evaluation.kv_eval import document_inputs
+    from prunetool.evaluation.long_context import documents_for, load_haystack, parse_name
+    from prunetool.kv import snapkv
+    from prunetool.kv.schedules import layer_budgets, parse_schedule
+    from prunetool.loading import load_model
+    from prunetool.sources import resolve_model
+    from provenance import write_results
+
+    model, tokenizer = load_model(resolve_model(args.model), dtype="float32", device="cpu")
+    haystack, _ = load_haystack(DATA)
+    documents = documents_for(parse_name(args.task), tokenizer, haystack, args.documents)
+    kinds = args.schedules.split(",")
+    totals: dict[str, list[float]] = {}
+    similarity, full_attention = None, None
+    for document in documents:
+        context, _ = document_inputs(tokenizer, document)
+        prefilled = snapkv.prefill(model, context)
+        full_attention = prefilled.full_attention
+        similarity = [a + b for a, b in zip(similarity or [0.0] * len(prefilled.layers), prefilled.q_similarity)]
+        for kind in kinds:
+            schedule = parse_schedule(f"{kind}:{args.budget}", num_layers=len(prefilled.layers), max_context=2**31)
+            budgets = layer_budgets(schedule, prefilled.caps, q_similarity=prefilled.q_similarity,
+                                    preference=prefilled.preference, full_attention=prefilled.full_attention)
+            totals[kind] = [a + b for a, b in zip(totals.get(kind, [0.0] * len(budgets)), budgets)]
+    count = len(documents)
+    write_results(f"kv_layers-{args.model}", {
+        "setting": {"model": args.model, "task": args.task, "documents": count, "budget": args.budget},
+        "layers": [{"index": i, "full_attention": full_attention[i], "q_similarity": similarity[i] / count,
+                    "budgets": {kind: totals[kind][i] / count for kind in kinds}} for i in range(len(full_attention))]})
+
+
+def layers_table(results: dict) -> str:
+    """Mean budget per layer under each schedule (full-attention layers in bold)."""
+    setting, layers = results["setting"], results["layers"]
+    kinds = list(layers[0]["budgets"])
+    lines = [f"{setting['model']}, average budget {setting['budget']}, mean over the first {setting['documents']} "
+             f"{setting['task']} documents (q-sim: the prompt's last 32 post-RoPE queries):", "",
+             "| layer | attention | q-sim | " + " | ".join(kinds) + " |", "|---:|---|---:|" + "---:|" * len(kinds)]
+    for layer in layers:
+        kind = "**full**" if layer["full_attention"] else "sliding"
+        lines.append(f"| {layer['index']} | {kind} | {layer['q_similarity']:.3f} | "
+                     + " | ".join(f"{layer['budgets'][k]:.0f}" for k in kinds) + " |")
+    return "\n".join(lines)
 
 
 def _mean(values: list[float]) -> float:
@@ -181,5 +242,48 @@ def goals(*files: dict) -> str:
     return "\n".join(lines)
 
 
+def load_results() -> list[dict]:
+    import json
+
+    paths = [ROOT / "bench" / "results" / f"kv-{model}.json" for model in MODELS]
+    return [json.loads(path.read_text()) for path in paths if path.exists()]
+
+
+def plot(files: list[dict]) -> None:
+    """docs/kv.png: mean accuracy against average cache per layer, one line per schedule, full cache dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(files), figsize=(6 * len(files), 4.2))
+    axes = [axes] if len(files) == 1 else axes
+    styles = {"uniform": ("black", "-"), "pyramid": ("tab:gray", "--"), "tappa": ("tab:blue", "-"),
+              "tappa-floor": ("tab:orange", "-"), "tappa-cake": ("tab:green", "-")}
+    for axis, results in zip(axes, files):
+        budgets = results["setting"]["budgets"]
+        for kind in results["setting"]["schedules"]:
+            color, line = styles.get(kind, (None, "-"))
+            axis.plot(budgets, [mean_accuracy(results, f"{kind}:{b}") for b in budgets], marker="o", label=kind,
+                      color=color, linestyle=line)
+        axis.axhline(mean_accuracy(results, "full"), color="tab:red", linestyle=":", label="full cache")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(budgets, [str(b) for b in budgets])
+        axis.set_ylim(0, 1.02)
+        axis.set_xlabel("average cache per layer and KV head (tokens)")
+        axis.set_ylabel(f"mean accuracy over {len(results['tasks'])} tasks")
+        axis.set_title(f"{results['setting']['model']}: needle, multi-key (1k-4k tokens), hop probes")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(PLOT, dpi=110)
+    print(f"plot written to {PLOT.relative_to(ROOT)}")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--plot"]:
+        plot(load_results())
+    elif "--layers" in sys.argv[1:]:
+        layer_main()
+    else:
+        main()

@@ -1,4 +1,4 @@
-"""bench/results/*.json -> the generated regions of README.md and docs/*.md (and docs/quality.png).
+"""bench/results/*.json -> the generated regions of README.md and docs/*.md (and docs/quality.png, docs/kv.png).
 
 Run:   .venv/bin/python bench/render_docs.py            # rewrite every generated region, redraw the figure
        .venv/bin/python bench/render_docs.py --check    # exit 1 and name the files whose regions are stale
@@ -161,6 +161,12 @@ REGIONS: dict[str, Region] = {
     "dry-run-time": Region("bench/dry_run_time.py", ("dry_run_time.json",), stamped("dry_run_time")),
     "default-drop": Region("bench/quality.py", ("quality.json",), default_drop),
     "heads-cost": Region("bench/heads_results.py", tuple(f"heads-{m}.json" for m in HEADS_MODELS), heads_cost),
+    "kv-smollm2": Region("bench/kv.py", ("kv-smollm2-135m.json",), stamped("kv")),
+    "kv-gemma3": Region("bench/kv.py", ("kv-gemma3-270m.json",), stamped("kv")),
+    "kv-goals": Region("bench/kv.py", ("kv-smollm2-135m.json", "kv-gemma3-270m.json"),
+                       lambda *files: importlib.import_module("kv").goals(*files)),
+    "kv-layers-gemma3": Region("bench/kv.py", ("kv_layers-gemma3-270m.json",),
+                               lambda r: stamp(r) + "\n\n" + importlib.import_module("kv").layers_table(r)),
     "heads-removed-smollm2": Region("bench/heads_results.py", ("quality.json", "heads-smollm2.json"), removed_heads),
 }
 for _model in HEADS_MODELS:
@@ -170,7 +176,8 @@ for _model in HEADS_MODELS:
 
 # Every figure in docs/ and the command that draws it (bench/render_docs.py itself redraws the first).
 FIGURES = {"docs/quality.png": "bench/quality.py --report (from bench/results/quality.json; also make docs)",
-           "docs/heads/*.png": "bench/heads_results.py (copied from the `prunetool heads` report it runs)"}
+           "docs/heads/*.png": "bench/heads_results.py (copied from the `prunetool heads` report it runs)",
+           "docs/kv.png": "bench/kv.py --plot (from bench/results/kv-*.json; also make docs)"}
 
 
 def documents(root: Path) -> list[Path]:
@@ -228,6 +235,8 @@ def main() -> None:
             print(f"rewrote {path.relative_to(ROOT)}")
     quality = importlib.import_module("quality")
     quality.plot(quality.load_results())
+    kv = importlib.import_module("kv")
+    kv.plot(kv.load_results())
 
 
 if __name__ == "__main__":
