@@ -41,10 +41,6 @@ class Schedule:
     budget: float  # average tokens per layer
     fixed: tuple[int, ...] | None = None  # a file's budgets
 
-    @property
-    def needs_similarity(self) -> bool:
-        return self.kind.startswith("tappa")
-
 
 def water_fill(weights: list[float], total: float, caps: list[float]) -> list[float]:
     """Shares proportional to `weights` summing to `total`, none above its cap; the excess is redistributed.
