@@ -534,7 +534,10 @@ def evaluate(
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
-    """Run lm-eval (offline on local data) and hop probes; the pruned model beside its base.
+    """Run lm-eval (offline on local data), hop probes and long-context tasks; the pruned model beside its base.
+
+    --kv-budget runs the long-context tasks on SnapKV-style compressed KV caches, one row per schedule
+    beside the full cache (docs/kv.md).
 
     heldout_ppl uses the windows prune held out (after its selection windows, never overlapping them) when
     MODEL is omitted, else the windows after --samples windows of --calib/--seq-len.
