@@ -367,19 +367,24 @@ def test_eval_kv_budget_file_for_another_layer_count(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_real_model_full_budget_matches_forward(name):
     """A 1k-token prompt (past Gemma 3's 512-token sliding window): the kept cache at full budget reproduces
-    transformers' forward, and a 64-token budget keeps the needle sentence's answer retrievable or not, but
-    always keeps exactly its budget."""
+    transformers' forward and generates the needle's value as the model does; a 64-token schedule keeps
+    exactly its budget."""
     from prunetool.loading import load_model
     from prunetool.sources import resolve_model
 
     model, tokenizer = load_model(resolve_model(name), dtype="float32", device="cpu")
     haystack, _ = long_context.load_haystack(None)
     document = long_context.needle_documents("needle", 1024, tokenizer, haystack)[2]
-    pairs = [encode_pair(tokenizer, document["prompt"], choice) for choice in document["choices"][:3]]
+    choices = [document["target"], " 123456", " 987650"]
+    pairs = [encode_pair(tokenizer, document["prompt"], choice) for choice in choices]
     ids = pairs[0][0]
     prefilled = snapkv.prefill(model, ids)
     ours = snapkv.continuation_logprobs(model, snapkv.full_cache(prefilled), prefilled.last_token, [c for _, c in pairs])
     assert ours == pytest.approx(reference_logprobs(model, ids, [c for _, c in pairs]), rel=1e-4, abs=1e-3)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=len(pairs[0][1]), do_sample=False)
+    generated = snapkv.greedy_generate(model, snapkv.full_cache(prefilled), prefilled.last_token, len(pairs[0][1]))
+    assert generated == [expected[0, len(ids):].tolist()]
     layers = len(prefilled.layers)
     schedule = parse_schedule("tappa-floor:64", num_layers=layers, max_context=8192)
     budgets = layer_budgets(schedule, prefilled.caps, q_similarity=prefilled.q_similarity,
