@@ -165,6 +165,8 @@ REGIONS: dict[str, Region] = {
     "kv-gemma3": Region("bench/kv.py", ("kv-gemma3-270m.json",), stamped("kv")),
     "kv-goals": Region("bench/kv.py", ("kv-smollm2-135m.json", "kv-gemma3-270m.json"),
                        lambda *files: importlib.import_module("kv").goals(*files)),
+    "kv-8k-smollm2": Region("bench/kv.py", ("kv8k-smollm2-135m.json",), stamped("kv")),
+    "kv-8k-gemma3": Region("bench/kv.py", ("kv8k-gemma3-270m.json",), stamped("kv")),
     "kv-layers-gemma3": Region("bench/kv.py", ("kv_layers-gemma3-270m.json",),
                                lambda r: stamp(r) + "\n\n" + importlib.import_module("kv").layers_table(r)),
     "heads-removed-smollm2": Region("bench/heads_results.py", ("quality.json", "heads-smollm2.json"), removed_heads),
