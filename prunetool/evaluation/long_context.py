@@ -18,6 +18,7 @@ sentences generated from a fixed seed. Every document comes from a seed, so runs
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,12 +102,16 @@ def _number(rng: random.Random, taken: set[str]) -> str:
             return value
 
 
-def _haystack_slice(haystack: str, tokenizer, tokens: int, rng: random.Random) -> str:
+def _line_and_sentence_starts(haystack: str) -> list[int]:
+    """Offsets where a haystack slice may begin: 0, after a newline, after ". " (ascending)."""
+    return [0] + [i + 1 for i, char in enumerate(haystack) if char == "\n" or (char == " " and haystack[i - 1] == ".")]
+
+
+def _haystack_slice(haystack: str, starts: list[int], tokenizer, tokens: int, rng: random.Random) -> str:
     """About `tokens` tokens of the haystack from a random line or sentence start, cut at a token boundary."""
     span = tokens * 8  # characters: more than `tokens` tokens of English for any tokenizer here
     last = max(1, len(haystack) - span)
-    starts = [0] + [i + 1 for i, char in enumerate(haystack[:last]) if char == "\n" or (char == " " and haystack[i - 1] == ".")]
-    start = rng.choice(starts)
+    start = rng.choice(starts[:bisect.bisect_right(starts, last)])
     chunk = haystack[start:start + span]
     offsets = tokenizer(chunk, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     return chunk[:offsets[min(tokens, len(offsets)) - 1][1]]
@@ -133,6 +138,7 @@ def _insert(text: str, sentences: list[tuple[float, str]]) -> str:
 def needle_documents(kind: str, length: int, tokenizer, haystack: str, seed: int = SEED) -> list[dict]:
     """Needle or multi-key documents of about `length` tokens for this tokenizer."""
     documents = []
+    starts = _line_and_sentence_starts(haystack)  # once per task, not per document
     plan = ([(depth, index) for index in range(DOCS_PER_DEPTH) for depth in DEPTHS] if kind == "needle"
             else [(None, index) for index in range(MULTIKEY_DOCS)])
     for depth, index in plan:
@@ -146,7 +152,7 @@ def needle_documents(kind: str, length: int, tokenizer, haystack: str, seed: int
         question = (f"\n\nWhat is the special magic number for {key} mentioned in the text above? "
                     f"The special magic number for {key} is")
         overhead = len(tokenizer(INTRO + question, add_special_tokens=False)["input_ids"]) + 20 * count
-        text = _haystack_slice(haystack, tokenizer, max(16, length - overhead), rng)
+        text = _haystack_slice(haystack, starts, tokenizer, max(16, length - overhead), rng)
         text = _insert(" " + text.strip(), [(d, f"The special magic number for {k} is {v}.")
                                             for d, (k, v) in zip(depths, pairs)])
         documents.append({"prompt": INTRO + text.strip() + question, "target": " " + value, "depth": depth,

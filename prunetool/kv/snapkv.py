@@ -138,7 +138,7 @@ def stack(caches: list[KeptCache]) -> KeptCache:
 class _Session:
     """What the wrapped attention function does on this forward."""
 
-    layer_of: dict[int, int]  # id(attention module) -> layer index
+    attentions: tuple  # the decoder's attention modules, in layer order
     mode: str  # "prefill" or "decode"
     window: int = WINDOW
     recorded: dict[int, LayerPrefill] = field(default_factory=dict)
@@ -146,12 +146,11 @@ class _Session:
     positions: torch.Tensor | None = None  # decode: original positions of the new tokens, (q,)
     commit: bool = False  # decode: append the new tokens' keys and values to the cache
 
+    def __post_init__(self):
+        self.layer_of = {id(attention): index for index, attention in enumerate(self.attentions)}  # id -> layer
+
 
 _SESSION: _Session | None = None
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def _logits(query, keys, scaling, softcap):
@@ -173,16 +172,17 @@ def window_scores(query, keys, *, window: int, scaling: float, softcap: float | 
     heads, kv_heads, length = query.shape[1], keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
     rows = min(window, length)
-    logits = _logits(query[:, :, -rows:], _repeat_kv(keys, groups), scaling, softcap)  # (1, H, w, T)
+    grouped = query[:, :, -rows:].reshape(1, kv_heads, groups * rows, query.shape[-1])  # each group's window rows
+    logits = _logits(grouped, keys, scaling, softcap).view(kv_heads, groups, rows, length)
     q_pos = torch.arange(length - rows, length, device=keys.device)[:, None]
     k_pos = torch.arange(length, device=keys.device)[None, :]
     visible = k_pos <= q_pos
     if sliding_window:
         visible &= (q_pos - k_pos) < sliding_window
-    attention = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    attention = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # (K, g, w, T)
     entropy = -(attention * attention.clamp_min(1e-30).log()).sum(dim=-1).mean()
     shift = attention.var(dim=2, unbiased=False).sum(dim=-1).mean() if rows > 1 else attention.new_zeros(())
-    return attention.sum(dim=2)[0].view(kv_heads, groups, length).mean(dim=1), float(entropy), float(shift)
+    return attention.sum(dim=2).mean(dim=1), float(entropy), float(shift)
 
 
 def _record(session: _Session, module, query, key, value, kwargs) -> None:
@@ -239,18 +239,13 @@ def _dispatch(original, module, query, key, value, attention_mask, **kwargs):
     return _decode_attention(session, module, query, key, value, kwargs)
 
 
-def _implementation(model) -> str:
-    attention = inspect_decoder(model).attentions[0]
-    return attention.config._attn_implementation or "eager"
-
-
 @contextmanager
-def _wrapped_attention(model, session: _Session):
+def _wrapped_attention(session: _Session):
     """Route the model's attention implementation through `_dispatch` for the duration of one forward."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     global _SESSION
-    key = _implementation(model)
+    key = session.attentions[0].config._attn_implementation or "eager"
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     missing = object()
     previous = mapping.get(key, missing)
@@ -271,22 +266,18 @@ def _wrapped_attention(model, session: _Session):
             mapping[key] = previous
 
 
-def _layer_index(model) -> dict[int, int]:
-    return {id(attention): index for index, attention in enumerate(inspect_decoder(model).attentions)}
-
-
 @torch.no_grad()
 def prefill(model, input_ids: list[int], *, window: int = WINDOW) -> Prefill:
     """Run all but the prompt's last token; keep every layer's keys, values, window scores and query similarity."""
     if len(input_ids) < 2:
         raise ValueError("a prompt needs at least 2 tokens to be compressed")
     clock = time.perf_counter()
-    session = _Session(_layer_index(model), "prefill", window=window)
+    session = _Session(inspect_decoder(model).attentions, "prefill", window=window)
     device = input_device(model)
     ids = torch.tensor([input_ids[:-1]], device=device)
-    with _wrapped_attention(model, session):
+    with _wrapped_attention(session):
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    layers = [session.recorded[index] for index in range(len(session.layer_of))]
+    layers = [session.recorded[index] for index in range(len(session.attentions))]
     return Prefill(layers, len(input_ids) - 1, input_ids[-1], window, time.perf_counter() - clock)
 
 
@@ -333,8 +324,8 @@ def full_cache(prefilled: Prefill) -> KeptCache:
 def _decode(model, cache: KeptCache, ids: torch.Tensor, *, commit: bool) -> torch.Tensor:
     """Logits of `ids` (rows x new tokens) placed right after the prompt, through the kept cache."""
     positions = torch.arange(cache.next_position, cache.next_position + ids.shape[1], device=ids.device)
-    session = _Session(_layer_index(model), "decode", cache=cache, positions=positions, commit=commit)
-    with _wrapped_attention(model, session):
+    session = _Session(inspect_decoder(model).attentions, "decode", cache=cache, positions=positions, commit=commit)
+    with _wrapped_attention(session):
         return model(input_ids=ids, position_ids=positions.expand(ids.shape[0], -1), use_cache=False).logits
 
 
