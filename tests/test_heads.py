@@ -14,7 +14,7 @@ from prunetool.cli import app
 from prunetool.errors import OptionError
 from prunetool.heads.analysis import analyse
 from prunetool.heads.budget import kv_budgets
-from prunetool.kv.schedules import water_fill, whole_tokens
+from prunetool.kv.schedules import layer_budgets, parse_schedule, water_fill, whole_tokens
 from prunetool.heads.patterns import attention_profiles, classify, profile_rows
 from prunetool.heads.probe import probe_heads
 from prunetool.heads.rope import rope_angles
@@ -29,7 +29,8 @@ runner = CliRunner()
 def handset_report():
     model = build_handset_model()
     evidence = probe_heads(model, handset_windows(), (0,))
-    return analyse(evidence, model="handset", calibration={}, kv_budget=None, caps=[128]).data
+    return analyse(evidence, model="handset", calibration={}, kv_budget=None, caps=[128],
+                   full_attention=[True]).data
 
 
 # --- hand-set heads: each pattern, and a known positional and symbolic head -------------------------
@@ -131,7 +132,8 @@ def test_probe_matches_output_attentions_and_scores(arch, tiny_checkpoint):
     from prunetool.calibration import CalibrationSet
 
     scores = score_model(model, CalibrationSet("ids", "0" * 64, 48, 48, ids), model_name=arch)
-    report = analyse(evidence, model=arch, calibration={}, kv_budget=4, caps=[48] * 6).data
+    report = analyse(evidence, model=arch, calibration={}, kv_budget=4, caps=[48] * 6,
+                     full_attention=[True] * 6).data
     for head in report["heads"]:
         assert head["q_similarity"] == pytest.approx(scores.heads["q_similarity"][head["layer"]][head["head"]], abs=1e-9)
         assert head["q_similarity_post_rope"] == pytest.approx(
@@ -170,7 +172,7 @@ def test_rope_angles_ignore_attention_scaling():
 
 def test_budgets_proportional_and_summing():
     similarity = [0.9, 0.5, 0.7, 0.1]
-    budget = kv_budgets(similarity, 100, [1000] * 4)
+    budget = kv_budgets(similarity, 100, [1000] * 4, [True] * 4)
     p = [1 - s for s in similarity]
     assert sum(budget["budgets"]) == 400 == budget["total"]
     for layer, weight in zip(budget["layers"], p):
@@ -198,11 +200,29 @@ def test_whole_tokens_keep_the_sum_and_caps():
     assert all(abs(b - s) < 1 for b, s in zip(budgets, shares))
 
 
+def test_budgets_floor_full_attention_layers_of_hybrid_models():
+    """Gemma-like: slow-RoPE full layers look predictable, yet they are the only ones that see far back."""
+    similarity = [0.5, 0.6, 0.9, 0.5, 0.6, 0.95]
+    full = [False, False, True, False, False, True]
+    caps = [64, 64, 1024, 64, 64, 1024]
+    budget = kv_budgets(similarity, 100, caps, full)
+    assert budget["budgets"][2] >= 100 and budget["budgets"][5] >= 100
+    assert sum(budget["budgets"]) == 600 == budget["total"]
+    assert all(b <= c for b, c in zip(budget["budgets"], caps))
+    # the file is eval's tappa-floor schedule for the same prompt statistics
+    schedule = parse_schedule("tappa-floor:100", num_layers=6, max_context=4096)
+    assert budget["budgets"] == layer_budgets(schedule, caps, q_similarity=similarity, full_attention=full)
+    # with no sliding layers it is TAPPA's plain rule
+    plain = kv_budgets(similarity, 100, [1024] * 6, [True] * 6)
+    shares = water_fill([1 - s for s in similarity], 600, [1024] * 6)
+    assert [layer["share"] for layer in plain["layers"]] == pytest.approx(shares)
+
+
 def test_budget_errors():
-    with pytest.raises(OptionError, match="exceeds the sequence length"):
-        kv_budgets([0.5, 0.5], 600, [512, 512])
+    with pytest.raises(OptionError, match="more than the sequence length"):
+        kv_budgets([0.5, 0.5], 600, [512, 512], [True, True])
     with pytest.raises(OptionError, match="at least 1"):
-        kv_budgets([0.5, 0.5], 0, [512, 512])
+        kv_budgets([0.5, 0.5], 0, [512, 512], [True, True])
     with pytest.raises(OptionError, match="exceeds what the layers can hold"):
         water_fill([1, 1], 300, [100, 100])
 
@@ -227,6 +247,18 @@ def test_heads_command_writes_report(tiny_checkpoint, calib_file, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
 
 
+def test_heads_budget_file_floors_full_layers_of_gemma3(tiny_checkpoint, calib_file):
+    """On a sliding + full model the written budgets are eval's tappa-floor schedule: full layers >= B."""
+    result = runner.invoke(app, heads_args(tiny_checkpoint("gemma3_text"), calib_file, "--kv-budget", "6", "--json"))
+    assert result.exit_code == 0, result.output
+    budget = json.loads(result.stdout)["kv_budget"]
+    full = [layer["full_attention"] for layer in budget["layers"]]
+    assert any(full) and not all(full) and budget["schedule"] == "tappa-floor"
+    assert all(layer["budget"] >= 6 for layer in budget["layers"] if layer["full_attention"])
+    assert all(layer["budget"] <= layer["cap"] for layer in budget["layers"])
+    assert sum(budget["budgets"]) == 6 * len(full)
+
+
 def test_heads_table_and_layers(tiny_checkpoint, calib_file):
     result = runner.invoke(app, heads_args(tiny_checkpoint("gemma3_text"), calib_file, "--layers", "1,4"))
     assert result.exit_code == 0, result.output
@@ -236,7 +268,7 @@ def test_heads_table_and_layers(tiny_checkpoint, calib_file):
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--kv-budget", "64"], ["exceeds the sequence length"]),
+    (["--kv-budget", "64"], ["more than the sequence length (32)"]),
     (["--kv-budget", "0"], ["at least 1"]),
     (["--layers", "9"], ["does not exist"]),
     (["--layers", "a"], ["not a whole number"]),

@@ -21,7 +21,7 @@ from rich.console import Console
 from prunetool import __version__
 from prunetool.errors import OptionError
 from prunetool.evaluation.runner import (
-    BACKENDS, TaskManagers, evaluate_tasks, heldout_perplexity, make_lm, make_vllm_lm, vllm_arguments,
+    BACKENDS, OWN_KINDS, TaskManagers, evaluate_tasks, heldout_perplexity, make_lm, make_vllm_lm, vllm_arguments,
 )
 from prunetool.evaluation.kv_eval import evaluate_long_context
 from prunetool.evaluation.long_context import load_haystack, parse_name
@@ -239,8 +239,10 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         held_out = None
         if any(plan.kind == "heldout" for plan in plans):  # may generate calibration text: its own progress bar
             held_out = heldout_windows(sources[0], model, tokenizer, calibration)
-        lm = make_lm(model, tokenizer, request.batch_size, request.max_length)
-        entry["max_length"], entry["batch_size"] = lm.max_length, lm.batch_size
+        lm = None  # lm-eval's wrapper only when an lm-eval task runs (held-out and long-context tasks are ours)
+        if any(plan.kind not in OWN_KINDS for plan in plans):
+            lm = make_lm(model, tokenizer, request.batch_size, request.max_length)
+            entry["max_length"], entry["batch_size"] = lm.max_length, lm.batch_size
         with window_progress(console) as progress:
             bar = progress.add_task(candidate.label, total=len(plans))
 

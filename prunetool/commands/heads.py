@@ -8,11 +8,17 @@ from prunetool.runs import current_model
 from prunetool.sources import model_key, resolve_model
 
 
-def layer_caps(config, seq_len: int, num_layers: int) -> list[int]:
-    """Tokens each layer can attend to: the window length, or less for a sliding-window layer."""
+def sliding_layers(config, num_layers: int) -> list[bool]:
+    """Which layers attend through a sliding window (`layer_types` with a `sliding_window` set)."""
     types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
     window = getattr(config, "sliding_window", None)
-    return [min(seq_len, window) if kind == "sliding_attention" and window else seq_len for kind in types]
+    return [kind == "sliding_attention" and bool(window) for kind in types]
+
+
+def layer_caps(config, seq_len: int, num_layers: int) -> list[int]:
+    """Tokens each layer can attend to: the window length, or less for a sliding-window layer."""
+    window = getattr(config, "sliding_window", None)
+    return [min(seq_len, window) if sliding else seq_len for sliding in sliding_layers(config, num_layers)]
 
 
 def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device, trust_remote_code,
@@ -54,7 +60,9 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
                                       attn_implementation="eager", placement=placement)
     layout = warn_if_untested(model, console)
     selected = parse_layers(layers, layout.num_layers, allow_all=True, flag="--only-layers") if layers else tuple(range(layout.num_layers))
-    caps = layer_caps(model.config.get_text_config(decoder=True), seq_len, layout.num_layers)
+    text_config = model.config.get_text_config(decoder=True)
+    caps = layer_caps(text_config, seq_len, layout.num_layers)
+    full_attention = [not sliding for sliding in sliding_layers(text_config, layout.num_layers)]
     if kv_budget is not None:
         check_kv_budget(kv_budget, caps)
     if not low_memory:  # after the checks above: generating calibration text can take minutes
@@ -63,4 +71,5 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     with window_progress(console) as progress:
         task = progress.add_task("probing heads", total=calibration.windows)
         evidence = probe_heads(model, windows, selected, on_window=lambda: progress.advance(task))
-    return analyse(evidence, model=source.spec, calibration=calibration.describe(), kv_budget=kv_budget, caps=caps)
+    return analyse(evidence, model=source.spec, calibration=calibration.describe(), kv_budget=kv_budget, caps=caps,
+                   full_attention=full_attention)

@@ -145,6 +145,9 @@ class TaskManagers:
         return TaskManager(include_defaults=False, verbosity="ERROR")
 
 
+OWN_KINDS = ("heldout", "long")  # prunetool's own evaluations (held-out perplexity, kv_eval), not lm-eval's
+
+
 def evaluate_tasks(lm, plans: list[TaskPlan], managers: TaskManagers, *, limit: int | None,
                    num_fewshot: int | None, on_task: Callable[[str], None] = lambda name: None,
                    on_done: Callable[[str], None] = lambda name: None) -> dict:
@@ -154,7 +157,7 @@ def evaluate_tasks(lm, plans: list[TaskPlan], managers: TaskManagers, *, limit: 
     merged: dict = {key: {} for key in MERGED_KEYS}
     seconds = {}
     for plan in plans:
-        if plan.kind in ("heldout", "long"):  # prunetool's own: held-out perplexity, long-context tasks (kv_eval)
+        if plan.kind in OWN_KINDS:
             continue
         on_task(plan.name)
         clock = time.perf_counter()

@@ -59,7 +59,7 @@ def thresholds() -> dict:
 
 
 def analyse(evidence: HeadEvidence, *, model: str, calibration: dict, kv_budget: int | None,
-            caps: list[int]) -> HeadsReport:
+            caps: list[int], full_attention: list[bool]) -> HeadsReport:
     layer_scores, head_scores, _ = summarise_taps(evidence.taps)
     group = evidence.num_heads // evidence.kv_heads
     heads, layers, seasonal, thumbnails = [], [], [], {}
@@ -115,7 +115,7 @@ def analyse(evidence: HeadEvidence, *, model: str, calibration: dict, kv_budget:
         "heads": heads,
         "correlation": _correlations(heads, layers),
         "seasonal": sorted(seasonal, key=lambda row: -row["seasonal"]),
-        "kv_budget": kv_budgets(recent, kv_budget, caps) if kv_budget is not None else None,
+        "kv_budget": kv_budgets(recent, kv_budget, caps, full_attention) if kv_budget is not None else None,
         "meta": {"probe_seconds": round(evidence.seconds, 3), "prunetool_version": __version__,
                  "indexing": "0-based layer and head indices of the original model"},
     }

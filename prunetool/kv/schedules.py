@@ -112,11 +112,12 @@ def parse_schedule(text: str, *, num_layers: int, max_context: int) -> Schedule:
     return Schedule(text, "file", sum(budgets) / len(budgets), tuple(budgets))
 
 
-def check_average(budget: int, max_context: int, text: str) -> None:
+def check_average(budget: int, limit: int, text: str, limit_name: str = "the model's context") -> None:
+    """Refuse a per-layer budget no layer could use (eval's schedules and heads' --kv-budget alike)."""
     if budget < 1:
-        raise OptionError(f"--kv-budget {text!r}: a layer must keep at least 1 token, got {budget}")
-    if budget > max_context:
-        raise OptionError(f"--kv-budget {text!r}: {budget} tokens is more than the model's context ({max_context})")
+        raise OptionError(f"--kv-budget {text}: a layer must keep at least 1 token, got {budget}")
+    if budget > limit:
+        raise OptionError(f"--kv-budget {text}: {budget} tokens is more than {limit_name} ({limit})")
 
 
 def pyramid_weights(num_layers: int, beta: float = PYRAMID_BETA) -> list[float]:
@@ -141,12 +142,20 @@ def layer_budgets(schedule: Schedule, caps: list[int], *, q_similarity: list[flo
     the prompt's recent post-RoPE query self-similarity per layer (tappa schedules); `preference`: CAKE's
     per-layer preference (tappa-cake); `full_attention`: which layers see the whole prompt (tappa-floor).
     """
-    layers = len(caps)
     if schedule.kind == "file":
         return [min(budget, cap) for budget, cap in zip(schedule.fixed, caps)]
+    shares = layer_shares(schedule, caps, q_similarity=q_similarity, preference=preference,
+                          full_attention=full_attention)
+    return whole_tokens(shares, caps)
+
+
+def layer_shares(schedule: Schedule, caps: list[int], *, q_similarity: list[float] | None = None,
+                 preference: list[float] | None = None, full_attention: list[bool] | None = None) -> list[float]:
+    """The exact (fractional) shares behind `layer_budgets`: what `prunetool heads` records beside the budgets."""
+    layers = len(caps)
     total = schedule.budget * layers
     if total >= sum(caps):
-        return list(caps)
+        return [float(cap) for cap in caps]
     floors = [0.0] * layers
     if schedule.kind == "uniform":
         weights = [1.0] * layers
@@ -163,4 +172,4 @@ def layer_budgets(schedule: Schedule, caps: list[int], *, q_similarity: list[flo
         if schedule.kind == "tappa-floor" and full_attention is not None and not all(full_attention):
             floors = [min(schedule.budget, cap) if full else 0.0 for full, cap in zip(full_attention, caps)]
     rest = water_fill(weights, total - sum(floors), [cap - floor for cap, floor in zip(caps, floors)])
-    return whole_tokens([floor + share for floor, share in zip(floors, rest)], caps)
+    return [floor + share for floor, share in zip(floors, rest)]
