@@ -145,6 +145,8 @@ REGIONS: dict[str, Region] = {
                                     stamped("repair_heal")),
     "repair-heal-gemma3-4": Region("bench/repair_heal.py", ("repair_heal-gemma3-270m-4.json",),
                                    stamped("repair_heal")),
+    "repair-heal-gemma3-4-ppl": Region("bench/repair_heal.py", ("repair_heal-gemma3-270m-4-ppl.json",),
+                                       stamped("repair_heal")),
     "repair-heal-goals": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6.json",),
                                 lambda r: importlib.import_module("repair_heal").goals(r)),
     "repair-heal-goals-h200": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6-h200.json",),

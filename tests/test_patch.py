@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from prunetool.calibration import load_calibration
 from prunetool.cli import app
+from prunetool.commands.prune import patch_warning
 from prunetool.errors import UnsupportedModelError
 from prunetool.in_memory import prune_in_memory
 from prunetool.plan import PrunePlan
@@ -166,6 +167,12 @@ def test_ridge_is_chosen_on_held_back_tokens():
     assert fit.merged(held).tokens == 140 and torch.equal(fit.merged(None).xtx, fit.xtx)
 
 
+def test_patch_warning_only_when_the_patch_hurts_held_out_text():
+    assert patch_warning(50.0, 40.0) is None and patch_warning(50.0, 50.0) is None
+    warning = patch_warning(50.0, 61.25)
+    assert "50.000 to 61.250" in warning and "\n" not in warning
+
+
 def test_contiguous_runs():
     assert contiguous_runs([7, 1, 2, 3, 9, 10]) == [(1, 3), (7, 7), (9, 10)]
 
@@ -181,9 +188,11 @@ def test_patched_checkpoint_equals_an_independent_application(arch, tiny_checkpo
     source = tiny_checkpoint(arch)
     out = tmp_path / "patched"
     first, last = 2, 3
-    report, _ = run_patch(source, out, f"{first},{last}", calib_file, "--patch-objective", "lstsq")
+    report, result = run_patch(source, out, f"{first},{last}", calib_file, "--patch-objective", "lstsq")
     (run,) = report["patch"]["runs"]
     down = f"model.layers.{first - 1}.mlp.down_proj.weight"
+    hurt = report["perplexity"]["patched"] > report["perplexity"]["plain_cut"]
+    assert ("the patch raised held-out perplexity" in result.stderr) == hurt
     assert run["layers"] == [first, last] and run["tensors"] == [down]
     assert run["residual_error"]["after"] <= run["residual_error"]["before"]
     assert report["perplexity"]["after"] == report["perplexity"]["patched"]

@@ -235,6 +235,14 @@ def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> d
             "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
 
 
+def patch_warning(plain_cut: float, patched: float) -> str | None:
+    """A patch fitted on calibration text can still hurt other text (Gemma's norm-bound fits did): say so."""
+    if patched <= plain_cut:
+        return None
+    return (f"warning: the patch raised held-out perplexity from {plain_cut:.3f} to {patched:.3f}; the written model "
+            "keeps it (prune without --patch, or heal afterwards, e.g. `prunetool heal`)")
+
+
 def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, request: PruneRequest,
                 console: Console) -> tuple[dict, dict]:
     """Fit and apply the patch in memory; returns ({source tensor name: new tensor}, prune.json's record).
@@ -398,6 +406,9 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         if perplexity_info is not None:
             patched = cut_perplexity(model, calibration.held_out, removed=plan.removed)
             perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
+            warning = patch_warning(perplexity_info["plain_cut"], patched)
+            if warning:
+                console.print(warning, highlight=False, soft_wrap=True)
     output = Path(request.output or default_output(spec, plan))
     verification: dict = {}
 
