@@ -259,6 +259,20 @@ def test_heads_budget_file_floors_full_layers_of_gemma3(tiny_checkpoint, calib_f
     assert sum(budget["budgets"]) == 6 * len(full)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_layer_caps_follow_the_window_attention_uses(arch, tiny_checkpoint):
+    """Caps and the floor's full-attention layers agree with the window each layer's attention is called with."""
+    from prunetool.commands.heads import layer_caps, sliding_layers
+    from prunetool.kv import snapkv
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.float32)
+    prefilled = snapkv.prefill(model, list(range(3, 40)))
+    config = model.config.get_text_config(decoder=True)
+    layers = len(prefilled.layers)
+    assert [not sliding for sliding in sliding_layers(config, layers)] == prefilled.full_attention
+    assert layer_caps(config, 32, layers) == [min(32, layer.sliding_window or 32) for layer in prefilled.layers]
+
+
 def test_heads_table_and_layers(tiny_checkpoint, calib_file):
     result = runner.invoke(app, heads_args(tiny_checkpoint("gemma3_text"), calib_file, "--layers", "1,4"))
     assert result.exit_code == 0, result.output

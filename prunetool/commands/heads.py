@@ -9,9 +9,12 @@ from prunetool.sources import model_key, resolve_model
 
 
 def sliding_layers(config, num_layers: int) -> list[bool]:
-    """Which layers attend through a sliding window (`layer_types` with a `sliding_window` set)."""
-    types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    """Which layers attend through a sliding window: `layer_types` where the config lists them (Gemma, Qwen2),
+    else every layer when `sliding_window` is set (Mistral and Phi-3 pass it to every layer's attention)."""
     window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [bool(window)] * num_layers
     return [kind == "sliding_attention" and bool(window) for kind in types]
 
 
