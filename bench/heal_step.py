@@ -8,8 +8,9 @@ the loss, the backward and the AdamW step, each timed with perf_counter after wa
 - float32: what `heal --dtype float32` (the CPU default) runs;
 - bf16 autocast: `heal --dtype bfloat16` (teacher in bfloat16, student weights float32, matmuls bf16);
 - the loss alone on the same logits: prunetool's chunked form (loss and gradient in one pass over chunks
-  of rows) against autograd through log_softmax + kl_div, forward and backward, with the peak memory
-  each adds (tracemalloc does not see torch's allocator, so peak RSS growth in a fresh subprocess).
+  of rows) against autograd through log_softmax + kl_div, and heal's default mix KL + 0.5 CE fused into
+  the same pass against the chunked KL plus autograd cross-entropy (how it was computed before),
+  forward and backward, with the peak memory each adds (tracemalloc does not see torch's allocator, so peak RSS growth in a fresh subprocess).
 
 Run on an otherwise idle machine:   nice .venv/bin/python bench/heal_step.py
 Writes bench/results/heal_step.json.
@@ -39,6 +40,25 @@ def kl_div_reference(student_logits, teacher_logits):
     return F.kl_div(student_log, teacher_log, reduction="none", log_target=True).sum(-1).mean()
 
 
+def mixed_before(student_logits, teacher_logits, targets):
+    """The mixed loss before CE was fused: the chunked KL, plus autograd cross-entropy on a float copy."""
+    import torch.nn.functional as F
+
+    from prunetool.repair.distill import kl_loss
+
+    ce = F.cross_entropy(student_logits.float(), targets)
+    return 0.5 * kl_loss(student_logits, teacher_logits) + 0.5 * ce
+
+
+def mixed_fused(student_logits, teacher_logits, targets):
+    from prunetool.repair.distill import token_loss
+
+    return token_loss(student_logits, teacher_logits, targets, ce_weight=0.5)
+
+
+LOSSES = ("chunked", "kl_div", "mixed_fused", "mixed_before")  # KL alone both ways; KL + 0.5 CE both ways
+
+
 def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, queue) -> None:
     import statistics
 
@@ -46,10 +66,13 @@ def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, que
 
     from prunetool.repair.distill import kl_loss
 
-    function = kl_loss if name == "chunked" else kl_div_reference
     generator = torch.Generator().manual_seed(1)
     student = torch.randn(tokens, vocab, generator=generator)
     teacher = torch.randn(tokens, vocab, generator=generator)
+    targets = torch.randint(vocab, (tokens,), generator=generator)
+    function = {"chunked": kl_loss, "kl_div": kl_div_reference,
+                "mixed_fused": lambda s, t: mixed_fused(s, t, targets),
+                "mixed_before": lambda s, t: mixed_before(s, t, targets)}[name]
     logits = student.clone().requires_grad_(True)  # the input and its .grad are counted before the loss
     logits.grad = torch.zeros_like(student)
     def high_water() -> int:  # VmHWM belongs to this process's address space (ru_maxrss survives exec)
@@ -91,12 +114,16 @@ def table(results: dict) -> str:
         lines.append(f"| {mode} | " + " | ".join(f"{row[part]:.2f} s" for part in PARTS)
                      + f" | {row['tokens_per_second']:.0f} |")
     loss = results["loss"]
+    names = [name for name in LOSSES if f"{name}_seconds" in loss]  # results before the mixed rows hold two
+    headers = {"chunked": "KL: chunked (prunetool)", "kl_div": "KL: log_softmax + kl_div",
+               "mixed_fused": "KL + 0.5 CE: fused (prunetool)", "mixed_before": "KL + 0.5 CE: chunked KL + autograd CE"}
     lines += ["", f"The loss alone on {loss['tokens']} tokens, forward + backward, in float32, and the peak memory it "
               "and its backward add (the logits and a preallocated .grad excluded):", "",
-              "| vocabulary | chunked (prunetool) | log_softmax + kl_div |", "|---|---:|---:|"]
+              "| vocabulary | " + " | ".join(headers[name] for name in names) + " |",
+              "|---|" + "---:|" * len(names)]
     for label, size in (("", loss["vocab"]), ("_262k", 262_144)):
         cells = [f"{loss[name + label + '_seconds']:.2f} s, {loss[name + label + '_peak_bytes'] / 2**30:.2f} GiB"
-                 for name in ("chunked", "kl_div")]
+                 for name in names]
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -175,7 +202,7 @@ def main() -> None:
     tokens = args.batch * (args.seq_len - 1)
     results["loss"] = {"tokens": tokens, "vocab": vocab, "steps": args.steps}
     for label, size in (("", vocab), ("_262k", 262_144)):  # this model's vocabulary, and Gemma 3's
-        for name in ("chunked", "kl_div"):
+        for name in LOSSES:
             seconds, peak = loss_cost(name, tokens, size, args.warmup, args.steps if not label else 1)
             results["loss"][f"{name}{label}_seconds"] = seconds
             results["loss"][f"{name}{label}_peak_bytes"] = peak

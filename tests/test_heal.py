@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from prunetool.cli import app
 from prunetool.commands import heal as heal_module
 from prunetool.commands.heal import HealRequest, repeated_windows, run_heal
-from prunetool.repair.distill import distill_loss, kl_loss, lr_factor
+from prunetool.repair.distill import distill_loss, kl_loss, lr_factor, token_loss
 from prunetool.runs import load_current_run, record_current_run
 from test_prune_cli import assert_refused  # the one-line refusal check prune tests share
 from rich.console import Console
@@ -93,6 +93,47 @@ def test_distill_loss_mixes_kl_and_next_token_ce():
     mixed = distill_loss(student, teacher, ids, temperature=2.0, ce_weight=0.25)
     assert float(mixed) == pytest.approx(float(0.75 * kl + 0.25 * ce), rel=1e-6)
     assert float(distill_loss(student, teacher, ids, ce_weight=1.0)) == pytest.approx(float(ce), rel=1e-6)
+
+
+def _autograd_mix(student, teacher, targets, temperature, ce_weight):
+    """The slow, independent form: autograd through log_softmax, kl_div and cross_entropy on float copies."""
+    vocab = student.shape[-1]
+    s, t = student.float().reshape(-1, vocab), teacher.float().reshape(-1, vocab)
+    kl = torch.nn.functional.kl_div(torch.log_softmax(s / temperature, -1), torch.log_softmax(t / temperature, -1),
+                                    reduction="batchmean", log_target=True) * temperature**2
+    ce = torch.nn.functional.cross_entropy(s, targets.reshape(-1))
+    return (1 - ce_weight) * kl + ce_weight * ce
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mix_matches_autograd_in_value_and_gradient(dtype):
+    """KL and CE share one chunked pass: value and gradient equal autograd's for every mix, temperature and chunking."""
+    torch.manual_seed(3)
+    teacher = (torch.randn(2, 7, 17) * 2).to(dtype)
+    targets = torch.randint(17, (2, 7))
+    tolerance = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    for temperature in (1.0, 2.0):
+        for ce_weight in (0.0, 0.3, 1.0):
+            for chunk in (17, 17 * 4, 10**6):  # a row per chunk, ragged chunks of 4 rows, one chunk
+                start = (torch.randn(2, 7, 17) * 2).to(dtype)
+                fused, reference = start.clone().requires_grad_(True), start.clone().requires_grad_(True)
+                value = token_loss(fused, None if ce_weight == 1 else teacher, None if ce_weight == 0 else targets,
+                                   temperature=temperature, ce_weight=ce_weight, chunk_elements=chunk)
+                expected = _autograd_mix(reference, teacher, targets, temperature, ce_weight)
+                value.backward()
+                expected.backward()
+                assert float(value.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+                assert fused.grad.dtype == dtype
+                torch.testing.assert_close(fused.grad.float(), reference.grad.float(), **tolerance)
+
+
+def test_plain_fine_tuning_needs_no_teacher():
+    torch.manual_seed(4)
+    student, ids = torch.randn(2, 6, 9), torch.randint(9, (2, 6))
+    ce = torch.nn.functional.cross_entropy(student[:, :-1].reshape(-1, 9), ids[:, 1:].reshape(-1))
+    assert float(distill_loss(student, None, ids, ce_weight=1.0)) == pytest.approx(float(ce), rel=1e-6)
+    with pytest.raises(ValueError, match="ce_weight"):
+        token_loss(student, student, ids, ce_weight=1.5)
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine():

@@ -18,61 +18,93 @@ import torch.nn.functional as F
 WARMUP_FRACTION = 0.1  # of the optimizer steps; at least one step
 
 
-CHUNK_ELEMENTS = 2**24  # logits handled at once by kl_loss: 64 MB of float32 temporaries per tensor
+CHUNK_ELEMENTS = 2**24  # logits handled at once: 64 MB of float32 temporaries per tensor
 
 
-class _ChunkedKL(torch.autograd.Function):
-    """T^2 KL summed over rows, and its gradient T (q_T - p_T), computed together one chunk of rows at a time.
+class _ChunkedDistill(torch.autograd.Function):
+    """(1 - a) T^2 KL + a CE summed over rows, and its gradient, computed together one chunk of rows at a time.
 
-    Autograd would keep log_softmax outputs and float copies of the whole (tokens x vocab) logits alive
-    for the backward; here the only full-size tensor is the gradient itself, in the logits' dtype, so a
-    262k vocabulary (Gemma 3) costs one extra logits-sized buffer rather than five.
+    The gradient with respect to the student's logits is (1 - a) T (q_T - p_T) + a (q_1 - onehot(target)).
+    Autograd would keep log_softmax outputs and float copies of the whole (tokens x vocab) logits alive for
+    the backward, once for the KL and once more for the CE; here the only full-size tensor is the gradient
+    itself, in the logits' dtype, so a 262k vocabulary (Gemma 3) costs one extra logits-sized buffer rather
+    than five, whatever the mix.
     """
 
     @staticmethod
-    def forward(ctx, student, teacher, temperature, rows):
+    def forward(ctx, student, teacher, targets, temperature, ce_weight, rows):
+        kl_weight = 1.0 - ce_weight
+        shared = 0 < ce_weight < 1 and temperature == 1.0  # KL and CE share q: grad = q - (1 - a) p - a onehot
         gradient = torch.empty_like(student)
         total = torch.zeros((), dtype=torch.float64, device=student.device)
         for start in range(0, student.shape[0], rows):
-            q_log = F.log_softmax(student[start:start + rows].float() / temperature, dim=-1)
-            p_log = F.log_softmax(teacher[start:start + rows].float() / temperature, dim=-1)
-            p = p_log.exp()
-            total += torch.vdot(p.view(-1), p_log.sub_(q_log).view(-1)).double()  # sum p (log p - log q)
-            gradient[start:start + rows] = q_log.exp_().sub_(p).mul_(temperature)
+            logits = student[start:start + rows].float()
+            picked = None if targets is None else targets[start:start + rows, None]
+            chunk_gradient = None
+            if kl_weight > 0:
+                log_q = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+                scaled = teacher[start:start + rows].float()
+                log_p = F.log_softmax(scaled if temperature == 1.0 else scaled / temperature, dim=-1)
+                p = log_p.exp()
+                kl = torch.vdot(p.view(-1), log_p.sub_(log_q).view(-1)).double()  # sum p (log p - log q)
+                total += kl_weight * temperature**2 * kl
+                if shared:
+                    total -= ce_weight * log_q.gather(1, picked).sum().double()
+                    chunk_gradient = log_q.exp_().sub_(p, alpha=kl_weight)
+                else:
+                    chunk_gradient = log_q.exp_().sub_(p).mul_(kl_weight * temperature)
+            if ce_weight > 0 and not shared:
+                log_q1 = F.log_softmax(logits, dim=-1)
+                total -= ce_weight * log_q1.gather(1, picked).sum().double()
+                ce_gradient = log_q1.exp_().mul_(ce_weight)
+                chunk_gradient = ce_gradient if chunk_gradient is None else chunk_gradient.add_(ce_gradient)
+            if ce_weight > 0:
+                chunk_gradient.scatter_add_(1, picked, chunk_gradient.new_full(picked.shape, -ce_weight))
+            gradient[start:start + rows] = chunk_gradient
         ctx.save_for_backward(gradient)
-        return (total * temperature**2).to(torch.float32)
+        return total.to(torch.float32)
 
     @staticmethod
     def backward(ctx, grad_output):
         (gradient,) = ctx.saved_tensors
         # in place: the graph is used once (no retain_graph), so the buffer is not needed again
-        return gradient.mul_(grad_output.to(gradient.dtype)), None, None, None
+        return gradient.mul_(grad_output.to(gradient.dtype)), None, None, None, None, None
+
+
+def token_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, targets: torch.Tensor | None, *,
+               temperature: float = 1.0, ce_weight: float = 0.0, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """Mean over tokens of (1 - a) T^2 KL(softmax(teacher/T) || softmax(student/T)) + a CE(student, targets).
+
+    Logits (..., V) already aligned with their targets (...); float32 maths. The teacher may be None when
+    a = 1, the targets when a = 0. Loss and gradient come from one chunked pass (_ChunkedDistill): as fast as
+    autograd on SmolLM2's 49k vocabulary with half its extra memory, and a fraction of it on a 262k one
+    (bench/heal_step.py).
+    """
+    if not 0.0 <= ce_weight <= 1.0:
+        raise ValueError(f"ce_weight must lie in [0, 1], got {ce_weight}")
+    vocab = student_logits.shape[-1]
+    student = student_logits.reshape(-1, vocab)
+    teacher = None if ce_weight == 1.0 else teacher_logits.detach().reshape(-1, vocab)
+    flat_targets = None if ce_weight == 0.0 else targets.reshape(-1)
+    rows = max(1, chunk_elements // vocab)
+    total = _ChunkedDistill.apply(student, teacher, flat_targets, float(temperature), float(ce_weight), rows)
+    return total / student.shape[0]
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
             chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
-    """Mean over tokens of T^2 KL(softmax(teacher/T) || softmax(student/T)); logits (..., V), float32 maths.
-
-    Loss and gradient come from one chunked pass (_ChunkedKL): as fast as autograd through log_softmax +
-    kl_div on SmolLM2's 49k vocabulary with half its extra memory, and a quarter of it on a 262k vocabulary
-    (1.25x slower there; bench/heal_step.py).
-    """
-    vocab = student_logits.shape[-1]
-    student = student_logits.reshape(-1, vocab)
-    teacher = teacher_logits.detach().reshape(-1, vocab)
-    rows = max(1, chunk_elements // vocab)
-    return _ChunkedKL.apply(student, teacher, float(temperature), rows) / student.shape[0]
+    """Mean over tokens of T^2 KL(softmax(teacher/T) || softmax(student/T)); logits (..., V)."""
+    return token_loss(student_logits, teacher_logits, None, temperature=temperature, chunk_elements=chunk_elements)
 
 
-def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor, *,
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, input_ids: torch.Tensor, *,
                  temperature: float = 1.0, ce_weight: float = 0.0) -> torch.Tensor:
-    """(1 - a) KL_T + a CE on next-token predictions of windows (B, T): positions 0..T-2 predict 1..T-1."""
-    student = student_logits[:, :-1]
-    loss = kl_loss(student, teacher_logits[:, :-1], temperature) if ce_weight < 1 else student.new_zeros(())
-    if ce_weight > 0:
-        ce = F.cross_entropy(student.float().reshape(-1, student.shape[-1]), input_ids[:, 1:].reshape(-1))
-        loss = (1 - ce_weight) * loss + ce_weight * ce
-    return loss
+    """(1 - a) KL_T + a CE on next-token predictions of windows (B, T): positions 0..T-2 predict 1..T-1.
+
+    With a = 1 (plain fine-tuning) the teacher is not read and may be None.
+    """
+    teacher = None if ce_weight == 1.0 else teacher_logits[:, :-1]
+    return token_loss(student_logits[:, :-1], teacher, input_ids[:, 1:], temperature=temperature, ce_weight=ce_weight)
 
 
 def warmup_steps(total: int) -> int:

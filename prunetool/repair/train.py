@@ -7,7 +7,8 @@ ends with the same weights as an uninterrupted one (tests/test_heal.py).
 
 Teacher logits are computed on the fly for every micro-batch. Caching the teacher's top-k logits once
 would save the teacher forward on repeated passes, but heal makes one pass over its text and we have not
-measured top-k caching yet, so the simple, exact way stays until a measurement says otherwise.
+measured top-k caching yet, so the simple, exact way stays until a measurement says otherwise. With
+--ce-weight 1 (plain fine-tuning, the baseline) the teacher is not run at all.
 """
 
 import math
@@ -128,11 +129,14 @@ def train(student, teacher, windows: torch.Tensor, config: TrainConfig, *, check
         for _ in range(config.grad_accum):
             batch = windows[position:position + config.batch_size].to(device)
             position += config.batch_size
-            with torch.no_grad(), autocast:
-                teacher_logits = teacher(input_ids=batch, use_cache=False).logits
+            teacher_logits = None
+            if config.ce_weight < 1.0:  # plain fine-tuning (a = 1) never reads the teacher
+                with torch.no_grad(), autocast:
+                    teacher_logits = teacher(input_ids=batch, use_cache=False).logits
             with autocast:
                 student_logits = student(input_ids=batch, use_cache=False).logits
-            teacher_logits = teacher_logits.to(student_logits.device)  # spread models may end on other devices
+            if teacher_logits is not None:  # spread models may end on other devices
+                teacher_logits = teacher_logits.to(student_logits.device)
             loss = distill_loss(student_logits, teacher_logits, batch.to(student_logits.device), temperature=config.temperature,
                                 ce_weight=config.ce_weight)
             value = float(loss.detach())
