@@ -47,19 +47,20 @@ def mixed_before(student_logits, teacher_logits, targets):
     from prunetool.repair.distill import kl_loss
 
     ce = F.cross_entropy(student_logits.float(), targets)
-    return 0.5 * kl_loss(student_logits, teacher_logits) + 0.5 * ce
+    return 0.5 * kl_loss(student_logits, teacher_logits, chunk_elements=2**24) + 0.5 * ce  # its chunk size then
 
 
-def mixed_fused(student_logits, teacher_logits, targets):
+def mixed_fused(student_logits, teacher_logits, targets, chunk_elements=None):
     from prunetool.repair.distill import token_loss
 
-    return token_loss(student_logits, teacher_logits, targets, ce_weight=0.5)
+    return token_loss(student_logits, teacher_logits, targets, ce_weight=0.5, chunk_elements=chunk_elements)
 
 
 LOSSES = ("chunked", "kl_div", "mixed_fused", "mixed_before")  # KL alone both ways; KL + 0.5 CE both ways
+CHUNK_SWEEP = (2**18, 2**20, 2**22, 2**24)  # logits elements per chunk, for the fused mix: what sets the CPU's size
 
 
-def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, queue) -> None:
+def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, queue, chunk: int | None = None) -> None:
     import statistics
 
     import torch
@@ -71,7 +72,7 @@ def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, que
     teacher = torch.randn(tokens, vocab, generator=generator)
     targets = torch.randint(vocab, (tokens,), generator=generator)
     function = {"chunked": kl_loss, "kl_div": kl_div_reference,
-                "mixed_fused": lambda s, t: mixed_fused(s, t, targets),
+                "mixed_fused": lambda s, t: mixed_fused(s, t, targets, chunk),
                 "mixed_before": lambda s, t: mixed_before(s, t, targets)}[name]
     logits = student.clone().requires_grad_(True)  # the input and its .grad are counted before the loss
     logits.grad = torch.zeros_like(student)
@@ -89,13 +90,13 @@ def _loss_child(name: str, tokens: int, vocab: int, warmup: int, steps: int, que
     queue.put((statistics.median(runs[warmup:]), peak - before))
 
 
-def loss_cost(name: str, tokens: int, vocab: int, warmup: int, steps: int) -> tuple[float, int]:
+def loss_cost(name: str, tokens: int, vocab: int, warmup: int, steps: int, chunk: int | None = None) -> tuple[float, int]:
     """Median seconds of forward + backward, and the peak memory the loss adds, in a fresh process."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    child = context.Process(target=_loss_child, args=(name, tokens, vocab, warmup, steps, queue))
+    child = context.Process(target=_loss_child, args=(name, tokens, vocab, warmup, steps, queue, chunk))
     child.start()
     result = queue.get()
     child.join()
@@ -106,7 +107,9 @@ def table(results: dict) -> str:
     earlier = results.get("steps_measured_by")
     lines = ([f"Step rows measured by `{earlier}` on the same machine; the loss rows by the command above.", ""]
              if earlier else []) + [f"{results['setting']['model']} -> layers {results['setting']['removed'][0]}-"
-             f"{results['setting']['removed'][-1]} removed, LoRA r=8; {results['setting']['batch']} x "
+             f"{results['setting']['removed'][-1]} removed, LoRA r=8; loss "
+             f"{'KL + ' + format(results['setting']['ce_weight'], 'g') + ' CE' if results['setting'].get('ce_weight') else 'KL'}"
+             f"; {results['setting']['batch']} x "
              f"{results['setting']['seq_len']} tokens per step; median of {results['setting']['steps']} steps "
              f"after {results['setting']['warmup']} warm-up, {results['setting']['threads']} threads.", "",
              "| mode | teacher fwd | student fwd | loss | backward + step | tokens/s |", "|---|---:|---:|---:|---:|---:|"]
@@ -125,6 +128,14 @@ def table(results: dict) -> str:
         cells = [f"{loss[name + label + '_seconds']:.2f} s, {loss[name + label + '_peak_bytes'] / 2**30:.2f} GiB"
                  for name in names]
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
+    if "chunk_sweep_seconds" in loss:
+        lines += ["", f"The fused KL + 0.5 CE by chunk size (logits elements handled at once; prunetool uses "
+                  f"2^{loss['cpu_chunk_elements'].bit_length() - 1} on the CPU, larger chunks on a GPU):", "",
+                  "| vocabulary | " + " | ".join(f"2^{chunk.bit_length() - 1}" for chunk in CHUNK_SWEEP) + " |",
+                  "|---|" + "---:|" * len(CHUNK_SWEEP)]
+        for label, size in (("", loss["vocab"]), ("_262k", 262_144)):
+            sweep = loss[f"chunk_sweep{label}_seconds"]
+            lines.append(f"| {size} | " + " | ".join(f"{sweep[str(chunk)]:.2f} s" for chunk in CHUNK_SWEEP) + " |")
     return "\n".join(lines)
 
 
@@ -140,7 +151,7 @@ def main() -> None:
 
     import torch
 
-    from prunetool.commands.heal import LORA_ALPHA_PER_RANK, lora_targets
+    from prunetool.commands.heal import LORA_ALPHA_PER_RANK, HealRequest, lora_targets
     from prunetool.in_memory import prune_in_memory
     from prunetool.loading import load_model
     from prunetool.repair.distill import distill_loss
@@ -149,7 +160,8 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     source = resolve_model(args.model)
-    results = {"setting": {"model": args.model, "removed": list(REMOVED), "batch": args.batch,
+    ce_weight = HealRequest.__dataclass_fields__["ce_weight"].default  # heal's default loss
+    results = {"setting": {"model": args.model, "removed": list(REMOVED), "batch": args.batch, "ce_weight": ce_weight,
                            "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
                            "threads": torch.get_num_threads()}, "modes": {}}
     modes = (("float32", "float32", False), ("bf16 autocast", "bfloat16", True))
@@ -180,7 +192,7 @@ def main() -> None:
                 marks.append(time.perf_counter())
                 student_logits = student(input_ids=batch, use_cache=False).logits
             marks.append(time.perf_counter())
-            loss = distill_loss(student_logits, teacher_logits, batch)
+            loss = distill_loss(student_logits, teacher_logits, batch, ce_weight=ce_weight)
             marks.append(time.perf_counter())
             loss.backward()
             optimizer.step()
@@ -200,12 +212,17 @@ def main() -> None:
 
         vocab = AutoConfig.from_pretrained(source.path).vocab_size
     tokens = args.batch * (args.seq_len - 1)
-    results["loss"] = {"tokens": tokens, "vocab": vocab, "steps": args.steps}
+    from prunetool.repair.distill import CPU_CHUNK_ELEMENTS
+
+    results["loss"] = {"tokens": tokens, "vocab": vocab, "steps": args.steps, "cpu_chunk_elements": CPU_CHUNK_ELEMENTS}
     for label, size in (("", vocab), ("_262k", 262_144)):  # this model's vocabulary, and Gemma 3's
         for name in LOSSES:
-            seconds, peak = loss_cost(name, tokens, size, args.warmup, args.steps if not label else 1)
+            seconds, peak = loss_cost(name, tokens, size, args.warmup, args.steps if not label else 5)
             results["loss"][f"{name}{label}_seconds"] = seconds
             results["loss"][f"{name}{label}_peak_bytes"] = peak
+        results["loss"][f"chunk_sweep{label}_seconds"] = {
+            str(chunk): loss_cost("mixed_fused", tokens, size, args.warmup, args.steps if not label else 5, chunk)[0]
+            for chunk in CHUNK_SWEEP}
     print(results["loss"], file=sys.stderr)
     write_results("heal_step", results)
 

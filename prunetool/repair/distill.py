@@ -18,7 +18,16 @@ import torch.nn.functional as F
 WARMUP_FRACTION = 0.1  # of the optimizer steps; at least one step
 
 
-CHUNK_ELEMENTS = 2**24  # logits handled at once: 64 MB of float32 temporaries per tensor
+# Logits elements handled at once. On the CPU small chunks stay in cache and in malloc's reused memory
+# (large temporaries are fresh pages every time): in bench/heal_step.py's runs 2^18 was the fastest or
+# near it on both vocabularies, 2^24 the slowest on 262k words. On a GPU every chunk costs a dozen kernel
+# launches, so chunks stay large there.
+CPU_CHUNK_ELEMENTS = 2**18
+ACCELERATOR_CHUNK_ELEMENTS = 2**24  # 64 MB of float32 temporaries per tensor
+
+
+def chunk_elements_for(device: torch.device) -> int:
+    return CPU_CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
 
 
 class _ChunkedDistill(torch.autograd.Function):
@@ -72,7 +81,7 @@ class _ChunkedDistill(torch.autograd.Function):
 
 
 def token_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, targets: torch.Tensor | None, *,
-               temperature: float = 1.0, ce_weight: float = 0.0, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+               temperature: float = 1.0, ce_weight: float = 0.0, chunk_elements: int | None = None) -> torch.Tensor:
     """Mean over tokens of (1 - a) T^2 KL(softmax(teacher/T) || softmax(student/T)) + a CE(student, targets).
 
     Logits (..., V) already aligned with their targets (...); float32 maths. The teacher may be None when
@@ -86,13 +95,13 @@ def token_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None
     student = student_logits.reshape(-1, vocab)
     teacher = None if ce_weight == 1.0 else teacher_logits.detach().reshape(-1, vocab)
     flat_targets = None if ce_weight == 0.0 else targets.reshape(-1)
-    rows = max(1, chunk_elements // vocab)
+    rows = max(1, (chunk_elements or chunk_elements_for(student.device)) // vocab)
     total = _ChunkedDistill.apply(student, teacher, flat_targets, float(temperature), float(ce_weight), rows)
     return total / student.shape[0]
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
-            chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+            chunk_elements: int | None = None) -> torch.Tensor:
     """Mean over tokens of T^2 KL(softmax(teacher/T) || softmax(student/T)); logits (..., V)."""
     return token_loss(student_logits, teacher_logits, None, temperature=temperature, chunk_elements=chunk_elements)
 
