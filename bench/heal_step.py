@@ -10,7 +10,8 @@ the loss, the backward and the AdamW step, each timed with perf_counter after wa
 - the loss alone on the same logits: prunetool's chunked form (loss and gradient in one pass over chunks
   of rows) against autograd through log_softmax + kl_div, and heal's default mix KL + 0.5 CE fused into
   the same pass against the chunked KL plus autograd cross-entropy (how it was computed before),
-  forward and backward, with the peak memory each adds (tracemalloc does not see torch's allocator, so peak RSS growth in a fresh subprocess).
+  forward and backward, with the peak memory each adds (tracemalloc does not see torch's allocator, so
+  peak RSS growth in a fresh subprocess).
 
 Run on an otherwise idle machine:   nice .venv/bin/python bench/heal_step.py
 Writes bench/results/heal_step.json.
@@ -160,7 +161,7 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     source = resolve_model(args.model)
-    ce_weight = HealRequest.__dataclass_fields__["ce_weight"].default  # heal's default loss
+    ce_weight = HealRequest.ce_weight  # heal's default loss
     results = {"setting": {"model": args.model, "removed": list(REMOVED), "batch": args.batch, "ce_weight": ce_weight,
                            "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
                            "threads": torch.get_num_threads()}, "modes": {}}
