@@ -9,8 +9,13 @@ removal recomputes only the boundaries after it.
 Exactness: each layer is called with the keyword arguments the decoder itself passed it (mask, position
 embeddings, ...), captured once by pre-hooks on a plain forward. Removing layers in memory keeps every
 survivor's own attention type (in_memory.config_edits), so a survivor sees the same arguments in any cut;
-the tail is perplexity's own (decoder norm, then _head_nll_sum). A self-check at construction compares
-the engine's uncut perplexity with a plain forward and refuses (EngineUnsupported) when they differ.
+the tail is perplexity's own (decoder norm, then _head_nll_sum). A self-check at construction replays
+the first window through every layer and refuses (EngineUnsupported) unless its NLL equals the capture
+pass's own (which is perplexity()'s forward) to SELF_CHECK_RTOL.
+
+Searches that only ask "does this candidate beat the one I hold?" pass give_up_above: the measurement
+stops at the first window after which the candidate is certainly worse (NLL is never negative), and the
+rest of its windows are never run.
 
 Memory: (L + 1) x W x T x d activations in the model's dtype (SmolLM2-135M, 16 x 512 windows: 0.6 GB in
 float32), plus one set of captured arguments per batch.
@@ -29,7 +34,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from prunetool.architecture import TESTED, decoder_of
-from prunetool.perplexity import _head_nll_sum, perplexity, perplexity_from_mean
+from prunetool.perplexity import _head_nll_sum, perplexity_from_mean
 from prunetool.loading import input_device
 
 SELF_CHECK_RTOL = 1e-5
@@ -63,21 +68,42 @@ class CutEngine:
         self.targets = [windows[start:start + self.batch_size, 1:].reshape(-1).to(self.device, torch.long)
                         for start in range(0, windows.shape[0], self.batch_size)]
         self.removed: tuple[int, ...] = ()
+        self.batches_skipped = 0  # batches perplexity_without(give_up_above=...) did not need to run
         self.kwargs: list[list[dict]] = []  # [batch][layer] -> the decoder's keyword arguments to that layer
         self.states: list[list[torch.Tensor]] = []  # [batch][boundary] -> input of layer `boundary` (L: output)
+        plain_first = None  # the plain forward's NLL of the first batch: the capture pass is that forward
         for batch in self.batches:
-            arguments, inputs = self._capture(batch)
+            arguments, inputs, last_hidden = self._capture(batch)
             self.kwargs.append(arguments)
             self.states.append(inputs)
+            if plain_first is None and self.streamed is None:
+                with torch.inference_mode():
+                    plain_first = _head_nll_sum(self.model, last_hidden[:, :-1].reshape(-1, last_hidden.shape[-1]),
+                                                self.targets[0])
         if self_check:
-            plain = (self.streamed.perplexity(windows, batch_size=self.batch_size) if self.streamed is not None
-                     else perplexity(model, windows, batch_size=self.batch_size))
-            mine = self.perplexity_without(())
-            if not math.isclose(mine, plain, rel_tol=SELF_CHECK_RTOL):
-                raise EngineUnsupported(f"layer-by-layer perplexity {mine!r} differs from the model's {plain!r}")
+            self._check(windows, plain_first)
 
-    def _capture(self, batch: torch.Tensor) -> tuple[list[dict], list[torch.Tensor]]:
-        """One plain forward with a pre-hook on every layer: what it was given, and the final output."""
+    def _check(self, windows: torch.Tensor, plain_first: float | None) -> None:
+        """Refuse (EngineUnsupported) unless replaying the layers reproduces the model's own forward.
+
+        Loaded model: the first batch is replayed through every layer from its embedding output with the
+        captured arguments, then the decoder norm and the head, and compared with the capture pass's own
+        output through the same head (that pass is perplexity()'s forward, so no second forward is run).
+        Streamed model: the uncut perplexity against the streamed model's own plain forward.
+        """
+        if self.streamed is not None:
+            plain = self.streamed.perplexity(windows, batch_size=self.batch_size)
+            mine = self.perplexity_without(())
+        else:
+            with torch.inference_mode():
+                mine = self._nll(0, self._run(0, 0, set()))
+            plain = plain_first
+        if not math.isclose(mine, plain, rel_tol=SELF_CHECK_RTOL):
+            raise EngineUnsupported(f"layer-by-layer NLL {mine!r} differs from the model's {plain!r}")
+
+    def _capture(self, batch: torch.Tensor) -> tuple[list[dict], list[torch.Tensor], torch.Tensor]:
+        """One plain forward with a pre-hook on every layer: what each layer was given, the last layer's
+        output, and the decoder's own output (after its norm)."""
         arguments: list[dict | None] = [None] * len(self.layers)
         inputs: list[torch.Tensor | None] = [None] * (len(self.layers) + 1)
 
@@ -95,11 +121,11 @@ class CutEngine:
         handles.append(self.layers[-1].register_forward_hook(keep_output, with_kwargs=True))
         try:
             with torch.inference_mode():
-                self.decoder(input_ids=batch, use_cache=False)
+                output = self.decoder(input_ids=batch, use_cache=False).last_hidden_state
         finally:
             for handle in handles:
                 handle.remove()
-        return arguments, inputs
+        return arguments, inputs, output
 
     def _run(self, batch: int, start: int, skip: set[int]) -> torch.Tensor:
         """The output of the last layer, starting from the cached input of layer `start`, skipping `skip`."""
@@ -116,24 +142,35 @@ class CutEngine:
     def _nll(self, batch: int, last: torch.Tensor) -> float:
         return _head_nll_sum(self.model, self._normed(last), self.targets[batch])
 
-    def perplexity_without(self, extra: Iterable[int], batches: Sequence[int] | None = None) -> float:
-        """Perplexity with the current cut and `extra` removed, over all batches or the given ones."""
+    def perplexity_without(self, extra: Iterable[int], batches: Sequence[int] | None = None, *,
+                           give_up_above: float = math.inf) -> float:
+        """Perplexity with the current cut and `extra` removed, over all batches or the given ones.
+
+        `give_up_above`: a search that only needs to know whether this candidate beats a value it already
+        holds stops measuring as soon as the answer is no. Every window's NLL is non-negative, so the
+        windows measured so far give a lower bound exp(partial sum / all tokens); once that bound exceeds
+        the limit the rest are skipped and the bound is returned. The result is therefore exact whenever
+        it is <= give_up_above, and above the limit (never above the exact value) otherwise. The streamed
+        model measures all windows in one head pass and is always exact.
+        """
         extra = set(extra) - set(self.removed)
         skip = set(self.removed) | extra
         if len(skip) >= len(self.layers):
             return math.inf
         start = min(extra) if extra else len(self.layers)
         chosen = range(len(self.batches)) if batches is None else batches
-        total, tokens = 0.0, 0
         with torch.inference_mode():
             if self.streamed is not None:  # one pass of the streamed head over every window's final states
                 hidden = torch.cat([self._normed(self._run(batch, start, skip)) for batch in chosen])
                 total = self.streamed.head_nll_sum(hidden, torch.cat([self.targets[batch] for batch in chosen]))
-                tokens = hidden.shape[0]
-            else:
-                for batch in chosen:
-                    total += self._nll(batch, self._run(batch, start, skip))
-                    tokens += self.batches[batch].shape[0] * (self.batches[batch].shape[1] - 1)
+                return perplexity_from_mean(total / hidden.shape[0])
+            tokens = sum(self.targets[batch].numel() for batch in chosen)
+            total = 0.0
+            for done, batch in enumerate(chosen, start=1):
+                total += self._nll(batch, self._run(batch, start, skip))
+                if perplexity_from_mean(total / tokens) > give_up_above:
+                    self.batches_skipped += len(chosen) - done
+                    break
         return perplexity_from_mean(total / tokens)
 
     def remove(self, layers: Iterable[int]) -> None:

@@ -14,11 +14,13 @@ import torch
 
 from prunetool.ranking import Selection, SelectionRequest, column, contiguous_blocks, guided_importance
 
-def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None) -> float:
+def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None, give_up_above: float = math.inf) -> float:
     """Calibration perplexity with `removed` gone (in memory); NaN counts as infinitely bad.
 
     With an `engine` (prunetool.cut_engine), only the layers after the first layer that differs from its
     current cut run; without one (an architecture it cannot replay), a full forward of the cut model.
+    `give_up_above`: the caller only asks whether this set beats that value, so the engine may stop early;
+    a result above it can be a lower bound and is not remembered.
     `req.measured`, when given, remembers results by the removed set, so callers that select for several
     drop counts on one model and one set of windows (the quality benchmark) measure each set once.
     """
@@ -29,11 +31,11 @@ def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None)
     if engine is not None:
         if not set(engine.removed) <= key:  # another branch of the search: move the cut, keep the shared prefix
             engine.set_cut(key)
-        value = engine.perplexity_without(key)
+        value = engine.perplexity_without(key, give_up_above=give_up_above)
     else:
         value = _full_forward(req, windows, removed)
     value = math.inf if math.isnan(value) else value
-    if req.measured is not None:
+    if req.measured is not None and value <= give_up_above:
         req.measured[key] = value
     return value
 
@@ -161,18 +163,28 @@ def select_guided(req: SelectionRequest) -> Selection:
     return Selection(chosen, values, extra)
 
 
-def _screen(req: SelectionRequest, holder: _LazyEngine, base: list[int], extras: list[tuple[int, ...]]) -> dict[tuple[int, ...], float]:
-    """Perplexity of `base + extra` for every extra, on the holder's (short) screening windows."""
+def _screen(req: SelectionRequest, holder: _LazyEngine, base: list[int], extras: list[tuple[int, ...]],
+            keep: int | None = None) -> dict[tuple[int, ...], float]:
+    """Perplexity of `base + extra` for every extra, on the holder's (short) screening windows.
+
+    `keep`: the caller uses only the `keep` lowest, so once `keep` are measured each further extra gives up
+    as soon as it is certainly above the keep-th lowest so far; its value is then a lower bound above that,
+    which leaves the `keep` lowest (ties by key included) what exact values would make them. Extras are
+    measured in the order given: best guesses first make the limit tight early.
+    """
     engine = holder.get()
-    values = {}
+    values: dict[tuple[int, ...], float] = {}
     if engine is not None:
         engine.set_cut(base)
         for extra in extras:
-            values[extra] = engine.perplexity_without(extra)
+            limit = math.inf if keep is None or len(values) < keep else sorted(values.values())[keep - 1]
+            value = engine.perplexity_without(extra, give_up_above=limit)
+            values[extra] = math.inf if math.isnan(value) else value
     else:
         for extra in extras:
-            values[extra] = _full_forward(req, holder.windows, {*base, *extra})
-    return {extra: math.inf if math.isnan(value) else value for extra, value in values.items()}
+            value = _full_forward(req, holder.windows, {*base, *extra})
+            values[extra] = math.inf if math.isnan(value) else value
+    return values
 
 
 def select_halving(req: SelectionRequest) -> Selection:
@@ -182,11 +194,15 @@ def select_halving(req: SelectionRequest) -> Selection:
     first `screen_tokens` tokens (a quarter of the text at the defaults, and the shorter attention is
     cheaper still). Round one screens every candidate, later rounds the better half of round one's
     screening; each round measures only its best `shortlist` on the measuring windows, and the lowest
-    goes for good. Beside that greedy path, every
-    contiguous run of N layers is screened and the best `blocks` measured (removing neighbours together
-    can cost less than greedy's one-at-a-time order finds). The best proposal is then refined: a removed
-    layer is swapped for a kept neighbour while that lowers the perplexity. Both window sets are measured
-    through the cut engine (prunetool.cut_engine), so a candidate runs only the layers after it.
+    goes for good. Beside that greedy path, every contiguous run of N layers is screened and the best
+    `blocks` measured (removing neighbours together can cost less than greedy's one-at-a-time order
+    finds), right after round one while the engines still hold the uncut model. The best proposal is
+    then refined: a removed layer is swapped for a kept neighbour while that lowers the perplexity.
+    Both window sets are measured through the cut engine (prunetool.cut_engine), so a candidate runs
+    only the layers after it; wherever only the lowest values count (later rounds' screening, the
+    confirmations, the blocks' screening, the swaps) a candidate stops as soon as it is certainly worse
+    than what the search holds, which leaves every choice and every reported value as full measurement
+    would make them.
     Values: round one's screening perplexity per layer (None for protected layers).
     """
     windows = req.windows[: max(1, req.refine_windows)]
@@ -197,18 +213,22 @@ def select_halving(req: SelectionRequest) -> Selection:
     step = _Steps(req, len(req.candidates) + (req.count - 1) * half + req.count * keep + 2 * req.blocks + 4 * req.count)
     removed: list[int] = []
     first: list[float | None] | None = None
-    pool = req.candidates
+    pool, screened = req.candidates, {}
     for _ in range(req.count):
-        remaining = [i for i in pool if i not in removed]
-        screened = {extra[0]: value for extra, value in _screen(req, screening, removed, [(i,) for i in remaining]).items()}
+        # the previous round's order (best first) makes the give-up limits of this round's screening tight
+        remaining = sorted((i for i in pool if i not in removed), key=lambda i: (screened.get(i, math.inf), i))
+        screened = {extra[0]: value for extra, value in
+                    _screen(req, screening, removed, [(i,) for i in remaining], keep=None if first is None else keep).items()}
         for _ in remaining:
             step()
         if first is None:  # later rounds screen only round one's better half: a layer whose removal alone
             first = [screened.get(i) for i in range(req.num_layers)]  # ranks low seldom becomes the best
             pool = sorted(screened, key=lambda i: (screened[i], i))[:max(len(screened) // 2, keep + req.count)]
-        confirmed = {}
-        for layer in sorted(screened, key=lambda i: (screened[i], i))[:keep]:
-            confirmed[layer] = _measure(req, windows, removed + [layer], holder)
+            block_ppl = _measured_blocks(req, screening, holder, windows, first, step)  # while both are uncut
+        confirmed: dict[int, float] = {}
+        for layer in sorted(screened, key=lambda i: (screened[i], i))[:keep]:  # only the lowest matters
+            confirmed[layer] = _measure(req, windows, removed + [layer], holder,
+                                        give_up_above=min(confirmed.values(), default=math.inf))
             step()
         best = min(confirmed, key=lambda i: (confirmed[i], i))
         removed.append(best)
@@ -216,14 +236,8 @@ def select_halving(req: SelectionRequest) -> Selection:
         if len(removed) < req.count:  # later rounds' confirmations share the new prefix
             holder.remove([best])
     proposals = {tuple(sorted(removed)): ("greedy", greedy_ppl)}
-    starts = range(req.protect_first, req.block_end - req.count + 1)
-    if req.blocks > 0 and len(starts) > 0:
-        blocks = [tuple(range(start, start + req.count)) for start in starts]
-        screened_blocks = _screen(req, screening, [], blocks)  # each block is its own cut
-        for block in sorted(screened_blocks, key=lambda b: (screened_blocks[b], b))[:req.blocks]:
-            if block not in proposals:
-                proposals[block] = ("block", _measure(req, windows, block, holder))
-            step()
+    for block, value in block_ppl.items():
+        proposals.setdefault(block, ("block", value))
     chosen = min(proposals, key=lambda c: (proposals[c][1], c))
     best_ppl, swaps = proposals[chosen][1], []
     improved = True
@@ -234,7 +248,7 @@ def select_halving(req: SelectionRequest) -> Selection:
                 if neighbour in chosen or neighbour not in req.candidates:
                     continue
                 trial = tuple(sorted((set(chosen) - {layer}) | {neighbour}))
-                value = _measure(req, windows, trial, holder)
+                value = _measure(req, windows, trial, holder, give_up_above=best_ppl)
                 step()
                 if value < best_ppl:
                     swaps.append({"out": layer, "in": neighbour, "perplexity": value})
@@ -250,6 +264,25 @@ def select_halving(req: SelectionRequest) -> Selection:
     if req.patch_objective is not None:
         chosen = _judge_patched(req, windows, proposals, extra)
     return Selection(chosen, first, extra)
+
+
+def _measured_blocks(req: SelectionRequest, screening: _LazyEngine, holder: _LazyEngine, windows: torch.Tensor,
+                     first: list[float | None], step: _Steps) -> dict[tuple[int, ...], float]:
+    """Every contiguous run of N candidate layers screened, and the best `req.blocks` measured.
+
+    Called while both engines hold the uncut model, so a block runs only from its first layer on.
+    """
+    starts = range(req.protect_first, req.block_end - req.count + 1)
+    if req.blocks <= 0 or len(starts) == 0:
+        return {}
+    blocks = sorted((tuple(range(start, start + req.count)) for start in starts),  # likeliest first
+                    key=lambda b: (sum(math.log(first[i]) for i in b), b))
+    screened = _screen(req, screening, [], blocks, keep=req.blocks)  # each block is its own cut
+    measured = {}
+    for block in sorted(screened, key=lambda b: (screened[b], b))[:req.blocks]:
+        measured[block] = _measure(req, windows, block, holder)
+        step()
+    return measured
 
 
 def _judge_patched(req: SelectionRequest, windows: torch.Tensor, proposals: dict, extra: dict) -> tuple[int, ...]:

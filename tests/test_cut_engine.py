@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from prunetool.cut_engine import CutEngine
+from prunetool.cut_engine import CutEngine, EngineUnsupported
 from prunetool.in_memory import layers_removed
 from prunetool.perplexity import perplexity
 
@@ -48,6 +48,36 @@ def test_engine_runs_only_the_layers_after_the_candidate(tiny_checkpoint):
     engine.remove([3])
     assert engine.layer_forwards([1]) == 3 and engine.layer_forwards([3]) == 0
     assert math.isinf(engine.perplexity_without([0, 1, 2, 4, 5]))
+
+
+def test_engine_refuses_a_model_whose_forward_its_replay_does_not_reproduce(tiny_checkpoint):
+    """The self-check replays a window through every layer: a decoder doing more than its layers, norm and
+    head (here a hook scaling its output) is refused, so searches fall back to full forwards."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen3"), dtype=torch.float32).eval()
+    windows = torch.randint(model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    CutEngine(model, windows)  # the plain model passes
+    handle = model.model.register_forward_hook(
+        lambda module, args, output: output.__setitem__("last_hidden_state", output.last_hidden_state * 1.01))
+    try:
+        with pytest.raises(EngineUnsupported, match="differs from the model's"):
+            CutEngine(model, windows)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_giving_up_is_exact_below_the_limit_and_a_lower_bound_above_it(dtype, tiny_checkpoint):
+    """give_up_above: at or below the limit the value is the exact perplexity; above it, a value above the
+    limit and never above the exact one, reached with fewer windows run."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=dtype).eval()
+    windows = torch.randint(model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
+    engine = CutEngine(model, windows)
+    exact = engine.perplexity_without([1])
+    assert engine.perplexity_without([1], give_up_above=exact) == exact
+    assert engine.perplexity_without([1], give_up_above=math.inf) == exact and engine.batches_skipped == 0
+    limit = exact ** 0.3  # two of the four windows already carry more than 0.3 of the NLL: it gives up there
+    bound = engine.perplexity_without([1], give_up_above=limit)
+    assert limit < bound < exact and engine.batches_skipped > 0
 
 
 @pytest.mark.slow

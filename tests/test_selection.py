@@ -418,7 +418,6 @@ def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monke
     real, engine_measure, engine_init = (perplexity_module.perplexity, cut_engine.CutEngine.perplexity_without,
                                          cut_engine.CutEngine.__init__)
     monkeypatch.setattr(perplexity_module, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(cut_engine, "perplexity", perplexity_module.perplexity)
     monkeypatch.setattr(cut_engine.CutEngine, "perplexity_without",
                         lambda self, *a, **k: calls.append(1) or engine_measure(self, *a, **k))
     monkeypatch.setattr(cut_engine.CutEngine, "__init__",
@@ -426,7 +425,7 @@ def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monke
     memo: dict = {}
     first = select_guided(SelectionRequest(6, 2, scores, model=model, windows=windows, measured=memo))
     measured = len(calls)
-    assert built == [1] and measured == len(memo) + 2  # + the engine's self-check: a plain forward and its own
+    assert built == [1] and measured == len(memo)  # the self-check replays one window, it measures no cut
     again = select_guided(SelectionRequest(6, 2, scores, model=model, windows=windows, measured=memo))
     assert again.removed == first.removed and len(calls) == measured and built == [1]  # all from the memo
 
@@ -471,8 +470,8 @@ def test_halving_screens_every_layer_once_then_round_ones_better_half(tiny_check
     windows = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(5))
     screened: list[list[tuple[int, ...]]] = []
     real = search._screen
-    monkeypatch.setattr(search, "_screen", lambda req, holder, base, extras: screened.append(list(extras))
-                        or real(req, holder, base, extras))
+    monkeypatch.setattr(search, "_screen", lambda req, holder, base, extras, keep=None: screened.append(list(extras))
+                        or real(req, holder, base, extras, keep))
     chosen = search.select_halving(SelectionRequest(12, 3, model=model, windows=windows, shortlist=1, refine_windows=2,
                                                     screen_tokens=6, blocks=0))
     first = chosen.values
@@ -480,3 +479,42 @@ def test_halving_screens_every_layer_once_then_round_ones_better_half(tiny_check
     assert [len(extras) for extras in screened] == [12, 5, 4]  # the pool minus the layers already removed
     assert all({extra[0] for extra in extras} <= set(better_half) for extras in screened[1:])
     assert set(chosen.extra["greedy_order"]) <= set(better_half)
+
+
+def _peaked_model_and_own_text(tiny_checkpoint, arch: str):
+    """A tiny model whose layers differ a lot in how much they matter, and windows it predicts well (its own
+    greedy text): removing one layer then costs anywhere from little to a hundredfold in perplexity, as in
+    real models, where random weights and random text make every cut look alike."""
+    model, _ = load_model(resolve_model(str(tiny_checkpoint(arch, num_layers=12))), dtype="float32", device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name, weight in layer.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):  # what each layer writes to the residual
+                    weight.mul_(float(torch.empty(()).uniform_(1, 12, generator=generator)))
+        start = torch.randint(0, 300, (4, 1), generator=torch.Generator().manual_seed(7))
+        windows = model.generate(start, max_new_tokens=15, min_new_tokens=15, do_sample=False)
+    return model, windows
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "phi3"])
+def test_halving_gives_up_on_hopeless_candidates_without_changing_its_choice(arch, tiny_checkpoint, monkeypatch):
+    """Screening, confirmation and swaps stop measuring a candidate once it is certainly worse than what the
+    search holds; everything the search returns (cut, values, proposals, swaps) equals a run that measures
+    every candidate in full, and some windows were really skipped."""
+    from prunetool import cut_engine, search
+    from prunetool.ranking import SelectionRequest
+
+    model, windows = _peaked_model_and_own_text(tiny_checkpoint, arch)
+    request = dict(model=model, windows=windows, shortlist=2, refine_windows=4, screen_tokens=8, blocks=2)
+    engines = []
+    real_init = cut_engine.CutEngine.__init__
+    monkeypatch.setattr(cut_engine.CutEngine, "__init__", lambda self, *a, **k: engines.append(self) or real_init(self, *a, **k))
+    quick = search.select_halving(SelectionRequest(12, 4, **request))
+    assert sum(engine.batches_skipped for engine in engines) > 0
+
+    real = cut_engine.CutEngine.perplexity_without
+    monkeypatch.setattr(cut_engine.CutEngine, "perplexity_without",
+                        lambda self, extra, batches=None, give_up_above=math.inf: real(self, extra, batches))
+    full = search.select_halving(SelectionRequest(12, 4, **request))
+    assert (quick.removed, quick.values, quick.extra) == (full.removed, full.values, full.extra)
