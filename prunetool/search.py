@@ -45,19 +45,24 @@ class _LazyEngine:
     costs two plain forwards: the capture and the self-check); None inside where the model's forward
     cannot be replayed layer by layer, and the searches then measure with full forwards."""
 
-    def __init__(self, req: SelectionRequest, windows: torch.Tensor):
+    def __init__(self, req: SelectionRequest, windows: torch.Tensor, *, screening: bool = False):
         self.req, self.windows, self.removed, self._engine, self._built = req, windows, [], None, False
+        self.screening = screening  # runs on cut_engine.screening_model (bfloat16 where that is native)
+        self.dtype = None  # what the measurements ran in, once built
 
     def get(self):
         if not self._built:
-            from prunetool.cut_engine import CutEngine, EngineUnsupported
+            from prunetool.cut_engine import CutEngine, EngineUnsupported, screening_model
 
             self._built = True
+            model = screening_model(self.req.model) if self.screening else self.req.model
             try:
-                self._engine = CutEngine(self.req.model, self.windows, batch_size=self.req.batch_size)
+                self._engine = CutEngine(model, self.windows, batch_size=self.req.batch_size)
                 self._engine.remove(self.removed)
+                self.dtype = self._engine.model.dtype
             except EngineUnsupported:
-                self._engine = None
+                self._engine = None  # full forwards of the model itself
+                self.dtype = self.req.model.dtype if isinstance(self.req.model, torch.nn.Module) else None
         return self._engine
 
     def remove(self, layers: list[int]) -> None:
@@ -192,7 +197,8 @@ def select_halving(req: SelectionRequest) -> Selection:
 
     Measuring windows are the first `refine_windows` calibration windows; screening windows are their
     first `screen_tokens` tokens (a quarter of the text at the defaults, and the shorter attention is
-    cheaper still). Round one screens every candidate, later rounds the better half of round one's
+    cheaper still), run in bfloat16 where that is native (cut_engine.screening_model; the plan records
+    `screen_dtype`) while every measurement that decides runs in the model's own dtype. Round one screens every candidate, later rounds the better half of round one's
     screening; each round measures only its best `shortlist` on the measuring windows, and the lowest
     goes for good. Beside that greedy path, every contiguous run of N layers is screened and the best
     `blocks` measured (removing neighbours together can cost less than greedy's one-at-a-time order
@@ -206,7 +212,7 @@ def select_halving(req: SelectionRequest) -> Selection:
     Values: round one's screening perplexity per layer (None for protected layers).
     """
     windows = req.windows[: max(1, req.refine_windows)]
-    screening = _LazyEngine(req, windows[:, : max(2, req.screen_tokens)])
+    screening = _LazyEngine(req, windows[:, : max(2, req.screen_tokens)], screening=True)
     holder = _LazyEngine(req, windows)
     keep = max(1, req.shortlist)
     half = max(len(req.candidates) // 2, keep + req.count)
@@ -258,6 +264,7 @@ def select_halving(req: SelectionRequest) -> Selection:
                 break
     proposals.setdefault(chosen, ("swap", best_ppl))
     extra = {"greedy_order": removed, "refine_windows": int(windows.shape[0]), "screen_tokens": int(screening.windows.shape[1]),
+             "screen_dtype": str(screening.dtype).removeprefix("torch.") if screening.dtype is not None else None,
              "chosen_from": proposals[chosen][0],
              "proposals": [{"removed": list(c), "kind": k, "perplexity": v} for c, (k, v) in proposals.items()],
              "swaps": swaps, "perplexity": best_ppl}

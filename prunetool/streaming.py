@@ -54,6 +54,7 @@ class CheckpointReader:
     """
 
     def __init__(self, folder):
+        self.folder = folder
         weights = read_weights(folder)
         self.entries = {entry.name: (shard, entry) for shard in weights.shards for entry in shard.entries}
         self.names = list(self.entries)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from prunetool.cut_engine import CutEngine, EngineUnsupported
+from prunetool import cut_engine
+from prunetool.cut_engine import CutEngine, EngineUnsupported, native_bfloat16, screening_model
 from prunetool.in_memory import layers_removed
 from prunetool.perplexity import perplexity
 
@@ -78,6 +79,43 @@ def test_giving_up_is_exact_below_the_limit_and_a_lower_bound_above_it(dtype, ti
     limit = exact ** 0.3  # two of the four windows already carry more than 0.3 of the NLL: it gives up there
     bound = engine.perplexity_without([1], give_up_above=limit)
     assert limit < bound < exact and engine.batches_skipped > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_the_screening_copy_is_the_model_rounded_to_bfloat16_and_leaves_the_model_alone(arch, tiny_checkpoint,
+                                                                                     monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.float32).eval()
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied, as SmolLM2's are
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    low = screening_model(model)
+    if not native_bfloat16(torch.device("cpu")):  # emulated bfloat16 is slower than float32: no copy
+        assert low is model
+        return
+    assert low is not model and low.dtype == torch.bfloat16
+    for name, p in low.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before[name][1].to(torch.bfloat16)), name
+    assert low.get_output_embeddings().weight is low.get_input_embeddings().weight  # tied stays tied
+    for (name, buffer), (_, original) in zip(low.named_buffers(), model.named_buffers()):
+        assert buffer.dtype == original.dtype and torch.equal(buffer, original), name  # RoPE stays float32
+    for name, p in model.named_parameters():  # the model itself is untouched
+        assert p.dtype == torch.float32 and (p.data_ptr(), True) == (before[name][0], torch.equal(p, before[name][1]))
+    # the copy is an ordinary model: the engine replays it exactly
+    windows = torch.randint(model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    assert CutEngine(low, windows).perplexity_without([2]) == pytest.approx(plain(low, windows, [2], 1), rel=1e-5)
+
+
+def test_no_screening_copy_for_16_bit_models_or_without_room(tiny_checkpoint, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen2"), dtype=torch.float32).eval()
+    monkeypatch.setattr(cut_engine, "native_bfloat16", lambda device: True)
+    assert screening_model(model) is not model
+    monkeypatch.setattr("prunetool.memory.memory_available_bytes",
+                        lambda: int(cut_engine.SCREEN_COPY_ROOM * sum(p.numel() for p in model.parameters()) * 2) - 1)
+    assert screening_model(model) is model
+    half = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen2"), dtype=torch.bfloat16).eval()
+    assert screening_model(half) is half
+    monkeypatch.undo()
+    monkeypatch.setattr(cut_engine, "native_bfloat16", lambda device: False)  # emulated bfloat16: no gain
+    assert screening_model(model) is model
 
 
 @pytest.mark.slow

@@ -439,6 +439,7 @@ def test_guided_options_are_checked(option, value, flag):
 
 def test_halving_matches_sleb_when_it_confirms_every_candidate_and_measures_what_it_reports(tiny_checkpoint):
     """With shortlist >= the candidates, halving's greedy path is SLEB's; every reported perplexity is real."""
+    from prunetool.cut_engine import screening_model
     from prunetool.in_memory import layers_removed
     from prunetool.ranking import SelectionRequest
     from prunetool.search import select_halving, select_ppl
@@ -450,9 +451,11 @@ def test_halving_matches_sleb_when_it_confirms_every_candidate_and_measures_what
                                            screen_tokens=4, blocks=0))
     assert wide.extra["greedy_order"] == list(sleb.extra["greedy_order"])
     assert (wide.extra["refine_windows"], wide.extra["screen_tokens"]) == (3, 4)
+    screened_on = screening_model(model)  # bfloat16 where that is native, as the search's screening
+    assert wide.extra["screen_dtype"] == str(screened_on.dtype).removeprefix("torch.")
     for layer in range(6):  # round one screened each layer on the first 4 tokens of the 3 measuring windows
-        with layers_removed(model, [layer]):
-            assert wide.values[layer] == pytest.approx(perplexity_module.perplexity(model, windows[:3, :4]), rel=1e-5)
+        with layers_removed(screened_on, [layer]):
+            assert wide.values[layer] == pytest.approx(perplexity_module.perplexity(screened_on, windows[:3, :4]), rel=1e-5)
     narrow = select_halving(SelectionRequest(6, 3, model=model, windows=windows, shortlist=1, refine_windows=2,
                                              screen_tokens=6, blocks=2))
     for proposal in narrow.extra["proposals"] + [{"removed": list(narrow.removed), "perplexity": narrow.extra["perplexity"]}]:
