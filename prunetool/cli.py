@@ -281,6 +281,8 @@ def prune(
     refine_windows: Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity measurement; halving: windows a screening uses.")] = 4,
     blocks: Annotated[int, typer.Option("--blocks", help="guided and halving: contiguous blocks measured beside the greedy path.")] = 3,
     screen_tokens: Annotated[int, typer.Option("--screen-tokens", help="halving: tokens of each measuring window a screening reads.")] = 128,
+    screen_dtype: Annotated[str, typer.Option("--screen-dtype", help="halving: auto screens in bfloat16 where it is "
+                            "native (confirmations stay in the model's dtype); model screens in the model's dtype.")] = "auto",
     scores: Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score --output-file`; "
                       "its recorded calibration is used.")] = None,
     calib: CalibOpt = None,
@@ -336,7 +338,8 @@ def prune(
         samples=samples, protect_first=protect_first, protect_last=protect_last,
         output=one_of("--output-dir", output_dir, "--output", old_output), force=force, dry_run=dry_run,
         verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
-        shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens, patch=patch,
+        shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens,
+        screen_dtype=screen_dtype, patch=patch,
         patch_objective=patch_objective, patch_windows=patch_windows,
     )
     result = run_prune(request, err)

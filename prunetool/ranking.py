@@ -25,6 +25,7 @@ GUIDED_SHORTLIST = 4  # guided: candidates measured per round
 GUIDED_WINDOWS = 4  # guided: calibration windows per perplexity measurement
 GUIDED_BLOCKS = 3  # guided: contiguous blocks proposed beside the greedy path
 HALVING_SCREEN_TOKENS = 128  # halving: tokens of each measuring window a screening reads
+SCREEN_DTYPES = ("auto", "model")  # halving: screen in bfloat16 where native (auto) or in the model's own dtype
 
 
 def tappa_importance(block_influence: list[float], q_similarity: list[float], beta: float = TAPPA_BETA) -> list[float]:
@@ -73,6 +74,7 @@ class SelectionRequest:
     refine_windows: int = GUIDED_WINDOWS  # guided only
     blocks: int = GUIDED_BLOCKS  # guided only: contiguous candidate blocks measured
     screen_tokens: int = HALVING_SCREEN_TOKENS  # halving only: screening windows' length
+    screen_dtype: str = "auto"  # halving only: one of SCREEN_DTYPES
     patch_objective: str | None = None  # halving only: judge the proposals after prune --patch's fit
     measured: dict | None = None  # guided and ppl: frozenset(removed) -> perplexity, shared across calls
 

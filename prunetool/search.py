@@ -14,19 +14,26 @@ import torch
 
 from prunetool.ranking import Selection, SelectionRequest, column, contiguous_blocks, guided_importance
 
+class _LowerBound(float):
+    """A remembered measurement that gave up early: the set's perplexity is above this value."""
+
+
 def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None, give_up_above: float = math.inf) -> float:
     """Calibration perplexity with `removed` gone (in memory); NaN counts as infinitely bad.
 
     With an `engine` (prunetool.cut_engine), only the layers after the first layer that differs from its
     current cut run; without one (an architecture it cannot replay), a full forward of the cut model.
     `give_up_above`: the caller only asks whether this set beats that value, so the engine may stop early;
-    a result above it can be a lower bound and is not remembered.
+    a result above it can be a lower bound.
     `req.measured`, when given, remembers results by the removed set, so callers that select for several
-    drop counts on one model and one set of windows (the quality benchmark) measure each set once.
+    drop counts on one model and one set of windows (the quality benchmark) measure each set once; a
+    result above the limit is remembered as a _LowerBound, which answers later callers whose limit it
+    also exceeds and is measured again for the others.
     """
     key = frozenset(removed)
-    if req.measured is not None and key in req.measured:
-        return req.measured[key]
+    known = req.measured.get(key) if req.measured is not None else None
+    if known is not None and (not isinstance(known, _LowerBound) or known > give_up_above):
+        return known
     engine = engine.get() if engine is not None else None
     if engine is not None:
         if not set(engine.removed) <= key:  # another branch of the search: move the cut, keep the shared prefix
@@ -35,8 +42,8 @@ def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None,
     else:
         value = _full_forward(req, windows, removed)
     value = math.inf if math.isnan(value) else value
-    if req.measured is not None and value <= give_up_above:
-        req.measured[key] = value
+    if req.measured is not None:
+        req.measured[key] = value if value <= give_up_above else _LowerBound(value)
     return value
 
 
@@ -198,7 +205,7 @@ def select_halving(req: SelectionRequest) -> Selection:
     Measuring windows are the first `refine_windows` calibration windows; screening windows are their
     first `screen_tokens` tokens (a quarter of the text at the defaults, and the shorter attention is
     cheaper still), run in bfloat16 where that is native (cut_engine.screening_model; the plan records
-    `screen_dtype`) while every measurement that decides runs in the model's own dtype. Round one screens every candidate, later rounds the better half of round one's
+    `screened_in`; `screen_dtype="model"` keeps the model's dtype) while every measurement that decides runs in the model's own dtype. Round one screens every candidate, later rounds the better half of round one's
     screening; each round measures only its best `shortlist` on the measuring windows, and the lowest
     goes for good. Beside that greedy path, every contiguous run of N layers is screened and the best
     `blocks` measured (removing neighbours together can cost less than greedy's one-at-a-time order
@@ -212,7 +219,7 @@ def select_halving(req: SelectionRequest) -> Selection:
     Values: round one's screening perplexity per layer (None for protected layers).
     """
     windows = req.windows[: max(1, req.refine_windows)]
-    screening = _LazyEngine(req, windows[:, : max(2, req.screen_tokens)], screening=True)
+    screening = _LazyEngine(req, windows[:, : max(2, req.screen_tokens)], screening=req.screen_dtype == "auto")
     holder = _LazyEngine(req, windows)
     keep = max(1, req.shortlist)
     half = max(len(req.candidates) // 2, keep + req.count)
@@ -264,7 +271,7 @@ def select_halving(req: SelectionRequest) -> Selection:
                 break
     proposals.setdefault(chosen, ("swap", best_ppl))
     extra = {"greedy_order": removed, "refine_windows": int(windows.shape[0]), "screen_tokens": int(screening.windows.shape[1]),
-             "screen_dtype": str(screening.dtype).removeprefix("torch.") if screening.dtype is not None else None,
+             "screened_in": str(screening.dtype).removeprefix("torch.") if screening.dtype is not None else None,
              "chosen_from": proposals[chosen][0],
              "proposals": [{"removed": list(c), "kind": k, "perplexity": v} for c, (k, v) in proposals.items()],
              "swaps": swaps, "perplexity": best_ppl}

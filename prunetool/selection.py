@@ -16,8 +16,8 @@ from prunetool.architecture import decoder_of
 from prunetool.errors import OptionError
 from prunetool.plan import PrunePlan
 from prunetool.ranking import (GUIDED_BETA, GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS,
-                               TAPPA_BETA, Selection,
-                               SelectionRequest, select_angular, select_bi, select_last, select_qsim, select_tappa)
+                               SCREEN_DTYPES, TAPPA_BETA, Selection, SelectionRequest, select_angular, select_bi,
+                               select_last, select_qsim, select_tappa)
 from prunetool.search import select_guided, select_halving, select_ppl
 
 if TYPE_CHECKING:
@@ -47,7 +47,8 @@ CRITERIA: dict[str, Criterion] = {
                      ("batch_size",)),
     "halving": Criterion(select_halving, "model", "SLEB's greedy with successive halving (screen on few windows, confirm "
                          "the best on all), contiguous blocks and neighbour swaps; with --patch, judged after the patch (default)",
-                         ("shortlist", "refine_windows", "screen_tokens", "blocks", "batch_size", "patch_objective")),
+                         ("shortlist", "refine_windows", "screen_tokens", "screen_dtype", "blocks", "batch_size",
+                          "patch_objective")),
 }
 
 
@@ -59,7 +60,7 @@ def default_beta(criterion: str) -> float:
 def validate_selection(criterion: str, count: int, num_layers: int, *, beta: float | None = None,
                        protect_first: int = 0, protect_last: int = 0, shortlist: int = GUIDED_SHORTLIST,
                        refine_windows: int = GUIDED_WINDOWS, blocks: int = GUIDED_BLOCKS,
-                       screen_tokens: int = HALVING_SCREEN_TOKENS) -> None:
+                       screen_tokens: int = HALVING_SCREEN_TOKENS, screen_dtype: str = "auto") -> None:
     """Every option check that needs no model and no scores, so a typo fails before minutes of loading."""
     if criterion not in CRITERIA:
         raise OptionError(f"unknown --criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
@@ -70,6 +71,8 @@ def validate_selection(criterion: str, count: int, num_layers: int, *, beta: flo
                                ("--blocks", blocks, 0), ("--screen-tokens", screen_tokens, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise OptionError(f"{flag} must be a whole number >= {least}, got {value}")
+    if screen_dtype not in SCREEN_DTYPES:
+        raise OptionError(f"--screen-dtype must be one of {', '.join(SCREEN_DTYPES)}, got {screen_dtype!r}")
     for flag, value in (("--protect-first", protect_first), ("--protect-last", protect_last)):
         if value < 0:
             raise OptionError(f"{flag} must be 0 or more, got {value}")
@@ -114,7 +117,7 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
               beta: float | None = None, protect_first: int = 0, protect_last: int = 0,
               batch_size: int = 1, on_step: Callable[[int, int], None] | None = None,
               shortlist: int = GUIDED_SHORTLIST, refine_windows: int = GUIDED_WINDOWS,
-              blocks: int = GUIDED_BLOCKS, screen_tokens: int = HALVING_SCREEN_TOKENS,
+              blocks: int = GUIDED_BLOCKS, screen_tokens: int = HALVING_SCREEN_TOKENS, screen_dtype: str = "auto",
               patch_objective: str | None = None) -> PrunePlan:
     """Validate, run one criterion, and record how the layers were chosen in a PrunePlan.
 
@@ -122,7 +125,8 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
     total = _num_layers(scores, model, num_layers)
     beta = default_beta(criterion) if beta is None else beta
     validate_selection(criterion, count, total, beta=beta, protect_first=protect_first, protect_last=protect_last,
-                       shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens)
+                       shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens,
+                       screen_dtype=screen_dtype)
     spec = CRITERIA[criterion]
     if spec.needs in ("scores", "both") and scores is None:
         raise OptionError(f"--criterion {criterion} ranks recorded scores; score the model first")
@@ -131,7 +135,7 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
     request = SelectionRequest(total, count, scores, protect_first, protect_last, beta, model,
                                calibration.input_ids if calibration is not None else None, batch_size, on_step,
                                shortlist=shortlist, refine_windows=refine_windows, blocks=blocks,
-                               screen_tokens=screen_tokens, patch_objective=patch_objective if "patch_objective" in spec.parameters else None)
+                               screen_tokens=screen_tokens, screen_dtype=screen_dtype, patch_objective=patch_objective if "patch_objective" in spec.parameters else None)
     selection = spec.select(request)
     parameters = {"protect_first": protect_first, "protect_last": protect_last}
     parameters |= {name: getattr(request, name) for name in spec.parameters} | selection.extra

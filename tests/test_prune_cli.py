@@ -103,6 +103,7 @@ def test_layers_without_scores_or_verification(tiny_checkpoint, tmp_path):
     (["--drop", "2", "--layers", "1"], ["exactly one"]),
     ([], ["exactly one"]),
     (["--drop", "2", "--criterion", "magic"], ["criterion", "tappa"]),
+    (["--drop", "2", "--screen-dtype", "float16"], ["--screen-dtype", "auto", "model"]),
     (["--drop", "2", "--scores", "/nonexistent/scores.json"], ["--scores"]),
 ])
 def test_bad_options_are_refused_before_writing(args, words, tiny_checkpoint, tmp_path):

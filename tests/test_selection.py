@@ -431,7 +431,8 @@ def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monke
 
 
 @pytest.mark.parametrize("option, value, flag", [("shortlist", 0, "--shortlist"), ("refine_windows", 0, "--refine-windows"),
-                                                 ("blocks", -1, "--blocks"), ("screen_tokens", 1, "--screen-tokens")])
+                                                 ("blocks", -1, "--blocks"), ("screen_tokens", 1, "--screen-tokens"),
+                                                 ("screen_dtype", "float16", "--screen-dtype")])
 def test_guided_options_are_checked(option, value, flag):
     with pytest.raises(OptionError, match=flag):
         validate_selection("guided", 2, 6, **{option: value})
@@ -452,10 +453,16 @@ def test_halving_matches_sleb_when_it_confirms_every_candidate_and_measures_what
     assert wide.extra["greedy_order"] == list(sleb.extra["greedy_order"])
     assert (wide.extra["refine_windows"], wide.extra["screen_tokens"]) == (3, 4)
     screened_on = screening_model(model)  # bfloat16 where that is native, as the search's screening
-    assert wide.extra["screen_dtype"] == str(screened_on.dtype).removeprefix("torch.")
+    assert wide.extra["screened_in"] == str(screened_on.dtype).removeprefix("torch.")
     for layer in range(6):  # round one screened each layer on the first 4 tokens of the 3 measuring windows
         with layers_removed(screened_on, [layer]):
             assert wide.values[layer] == pytest.approx(perplexity_module.perplexity(screened_on, windows[:3, :4]), rel=1e-5)
+    own = select_halving(SelectionRequest(6, 2, model=model, windows=windows, shortlist=6, refine_windows=3,
+                                          screen_tokens=4, blocks=0, screen_dtype="model"))
+    assert own.extra["screened_in"] == "float32" and own.extra["greedy_order"] == wide.extra["greedy_order"]
+    for layer in range(6):  # --screen-dtype model: screened on the float32 model itself
+        with layers_removed(model, [layer]):
+            assert own.values[layer] == pytest.approx(perplexity_module.perplexity(model, windows[:3, :4]), rel=1e-5)
     narrow = select_halving(SelectionRequest(6, 3, model=model, windows=windows, shortlist=1, refine_windows=2,
                                              screen_tokens=6, blocks=2))
     for proposal in narrow.extra["proposals"] + [{"removed": list(narrow.removed), "perplexity": narrow.extra["perplexity"]}]:
@@ -513,11 +520,37 @@ def test_halving_gives_up_on_hopeless_candidates_without_changing_its_choice(arc
     engines = []
     real_init = cut_engine.CutEngine.__init__
     monkeypatch.setattr(cut_engine.CutEngine, "__init__", lambda self, *a, **k: engines.append(self) or real_init(self, *a, **k))
-    quick = search.select_halving(SelectionRequest(12, 4, **request))
+    memo: dict = {}  # shared across drop counts, as bench/quality.py does: given-up sets are kept as bounds
+    quick = [search.select_halving(SelectionRequest(12, count, measured=memo, **request)) for count in (4, 3)]
     assert sum(engine.batches_skipped for engine in engines) > 0
+    assert any(isinstance(value, search._LowerBound) for value in memo.values())
 
     real = cut_engine.CutEngine.perplexity_without
     monkeypatch.setattr(cut_engine.CutEngine, "perplexity_without",
                         lambda self, extra, batches=None, give_up_above=math.inf: real(self, extra, batches))
-    full = search.select_halving(SelectionRequest(12, 4, **request))
-    assert (quick.removed, quick.values, quick.extra) == (full.removed, full.values, full.extra)
+    full = [search.select_halving(SelectionRequest(12, count, **request)) for count in (4, 3)]
+    for mine, theirs in zip(quick, full):
+        assert (mine.removed, mine.values, mine.extra) == (theirs.removed, theirs.values, theirs.extra)
+
+
+def test_a_remembered_give_up_answers_only_callers_whose_limit_it_exceeds():
+    """The memo keeps a given-up measurement as a lower bound: enough for a caller with a lower limit, and
+    measured again for one whose limit is above the bound."""
+    from types import SimpleNamespace
+
+    from prunetool import search
+    from prunetool.ranking import SelectionRequest
+
+    truth, calls = 10.0, []
+
+    def perplexity_without(key, give_up_above=math.inf):  # gives up just above the limit, as the engine may
+        calls.append(give_up_above)
+        return truth if give_up_above >= truth else give_up_above + 1
+
+    engine = SimpleNamespace(removed=(), set_cut=lambda key: None, perplexity_without=perplexity_without)
+    holder = SimpleNamespace(get=lambda: engine)
+    req = SelectionRequest(6, 1, measured={})
+    assert search._measure(req, None, [1], holder, give_up_above=3) == 4 and len(calls) == 1
+    assert search._measure(req, None, [1], holder, give_up_above=3.5) == 4 and len(calls) == 1  # 4 > 3.5: enough
+    assert search._measure(req, None, [1], holder, give_up_above=12) == truth and len(calls) == 2  # 4 <= 12: again
+    assert search._measure(req, None, [1], holder) == truth and len(calls) == 2  # now exact in the memo

@@ -79,6 +79,7 @@ class PruneRequest:
     trust_remote_code: bool = False
     shortlist: int = GUIDED_SHORTLIST  # guided only
     screen_tokens: int = HALVING_SCREEN_TOKENS  # halving only
+    screen_dtype: str = "auto"  # halving only: bfloat16 screening where native, or "model"
     refine_windows: int = GUIDED_WINDOWS
     blocks: int = GUIDED_BLOCKS
     plot: Path | None = None
@@ -139,7 +140,7 @@ def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | N
     validate_selection(request.criterion, request.drop, num_layers, beta=request.beta,
                        protect_first=request.protect_first, protect_last=request.protect_last,
                        shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
-                       screen_tokens=request.screen_tokens)
+                       screen_tokens=request.screen_tokens, screen_dtype=request.screen_dtype)
     return None
 
 
@@ -214,7 +215,8 @@ def choose(request, spec, scores, model, calibration, console: Console) -> tuple
                          num_layers=num_layers, beta=request.beta, protect_first=request.protect_first,
                          protect_last=request.protect_last, batch_size=request.batch_size,
                          shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
-                         screen_tokens=request.screen_tokens, patch_objective=(request.patch_objective or DEFAULT_OBJECTIVE) if request.patch else None,
+                         screen_tokens=request.screen_tokens, screen_dtype=request.screen_dtype,
+                         patch_objective=(request.patch_objective or DEFAULT_OBJECTIVE) if request.patch else None,
                          on_step=lambda done, total: progress.update(search, completed=done, total=total))
     return plan, scores
 
