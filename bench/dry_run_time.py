@@ -29,10 +29,11 @@ def table(results: dict) -> str:
     setting = results["setting"]
     lines = [f"`prunetool prune {setting['model']} --drop {setting['drop']} --dry-run --criterion C`, a fresh process each, "
              f"{setting['threads']} CPU threads.", "",
-             "| criterion | wall time | removes |", "|---|---:|---|"]
+             "| criterion | screens in | wall time | removes |", "|---|---|---:|---|"]
     for row in results["rows"]:
-        lines.append(f"| {row['criterion']}{' (default)' if row['default'] else ''} | {row['seconds']:.0f} s | "
-                     f"{', '.join(map(str, row['removed']))} |")
+        flags = "".join(f", `{flag}`" for flag in row.get("flags", []))
+        lines.append(f"| {row['criterion']}{' (default)' if row['default'] and not flags else ''}{flags} | "
+                     f"{row.get('screened_in') or '-'} | {row['seconds']:.0f} s | {', '.join(map(str, row['removed']))} |")
     return "\n".join(lines)
 
 
@@ -40,7 +41,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--drop", type=int, default=6)
-    parser.add_argument("--criteria", default="halving,guided")
+    parser.add_argument("--criteria", default="halving,halving:model,guided",
+                        help="comma-separated; NAME:DTYPE adds --screen-dtype DTYPE (halving)")
     args = parser.parse_args()
 
     import json
@@ -57,16 +59,20 @@ def main() -> None:
         for name in ("models", "calibration"):  # converted checkpoints and generated text, not the run record
             if (user_cache / name).exists():
                 os.symlink(user_cache / name, Path(folder) / name)
-        for criterion in args.criteria.split(","):
+        for item in args.criteria.split(","):
+            criterion, _, screen_dtype = item.partition(":")
+            flags = ["--screen-dtype", screen_dtype] if screen_dtype else []
             command = [str(Path(sys.executable).with_name("prunetool")), "prune", args.model, "--drop", str(args.drop),
-                       "--dry-run", "--criterion", criterion, "--json"]
+                       "--dry-run", "--criterion", criterion, *flags, "--json"]
             clock = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, CACHE_ENV: folder})
             seconds = time.perf_counter() - clock
             if done.returncode != 0:
                 raise SystemExit(f"{criterion}: {done.stderr.strip().splitlines()[-1]}")
             plan = json.loads(done.stdout)["plan"]
-            rows.append({"criterion": criterion, "seconds": round(seconds, 1), "removed": plan["removed"],
+            rows.append({"criterion": criterion, "flags": [" ".join(flags)] if flags else [],
+                         "seconds": round(seconds, 1), "removed": plan["removed"],
+                         "screened_in": plan["parameters"].get("screened_in"),
                          "default": criterion == PruneRequest(model="m", drop=1).criterion})
             print(rows[-1], file=sys.stderr)
     write_results("dry_run_time", {"setting": {"model": args.model, "drop": args.drop, "threads": torch.get_num_threads()},
