@@ -78,7 +78,7 @@ class CutEngine:
             arguments, inputs, last_hidden = self._capture(batch)
             self.kwargs.append(arguments)
             self.states.append(inputs)
-            if plain_first is None and self.streamed is None:
+            if self_check and plain_first is None and self.streamed is None:
                 with torch.inference_mode():
                     plain_first = _head_nll_sum(self.model, last_hidden[:, :-1].reshape(-1, last_hidden.shape[-1]),
                                                 self.targets[0])
@@ -217,7 +217,7 @@ def native_bfloat16(device: torch.device) -> bool:
 
 def screening_model(model):
     """The model a cheap screening pass runs: a bfloat16 copy of a float32 model where bfloat16 is native
-    (screening 128-token windows of SmolLM2 is about 3x faster so on an AVX512-BF16 CPU), else the model.
+    (screening 128-token windows of SmolLM2 is about 3x faster so, on an AVX512-BF16 CPU), else the model.
 
     Screening only ranks candidates for the float32 measurements that decide (halving's confirmations),
     so its lower precision changes which candidates are confirmed at most among near-ties. The copy keeps
@@ -243,12 +243,11 @@ def screening_model(model):
                               device=model.device, attn_implementation=model.model.config._attn_implementation)
     if getattr(model, "hf_device_map", None):
         return model
-    parameters = list(model.parameters())
-    if not parameters or any(p.dtype != torch.float32 for p in parameters) or not native_bfloat16(input_device(model)):
+    parameters, device = list(model.parameters()), input_device(model)
+    if not parameters or any(p.dtype != torch.float32 for p in parameters) or not native_bfloat16(device):
         return model
     size = sum(p.numel() for p in parameters) * torch.finfo(SCREEN_DTYPE).bits // 8
-    room = (torch.cuda.mem_get_info(input_device(model))[0] if input_device(model).type == "cuda"
-            else memory_available_bytes())
+    room = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory_available_bytes()
     if room is not None and room < SCREEN_COPY_ROOM * size:
         return model
     memo = {id(p): torch.nn.Parameter(p.detach().to(SCREEN_DTYPE), requires_grad=False) for p in parameters}

@@ -49,8 +49,9 @@ def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None,
 
 class _LazyEngine:
     """A CutEngine over `windows`, built on the first measurement that the memo cannot answer (building
-    costs two plain forwards: the capture and the self-check); None inside where the model's forward
-    cannot be replayed layer by layer, and the searches then measure with full forwards."""
+    costs one plain forward, the capture, and the self-check's replay of one window); None inside where
+    the model's forward cannot be replayed layer by layer, and the searches then measure with full
+    forwards."""
 
     def __init__(self, req: SelectionRequest, windows: torch.Tensor, *, screening: bool = False):
         self.req, self.windows, self.removed, self._engine, self._built = req, windows, [], None, False
@@ -205,8 +206,9 @@ def select_halving(req: SelectionRequest) -> Selection:
     Measuring windows are the first `refine_windows` calibration windows; screening windows are their
     first `screen_tokens` tokens (a quarter of the text at the defaults, and the shorter attention is
     cheaper still), run in bfloat16 where that is native (cut_engine.screening_model; the plan records
-    `screened_in`; `screen_dtype="model"` keeps the model's dtype) while every measurement that decides runs in the model's own dtype. Round one screens every candidate, later rounds the better half of round one's
-    screening; each round measures only its best `shortlist` on the measuring windows, and the lowest
+    `screened_in`; `screen_dtype="model"` keeps the model's dtype) while every measurement that decides
+    runs in the model's own dtype. Round one screens every candidate, later rounds the better half of
+    round one's screening; each round measures only its best `shortlist` on the measuring windows, and the lowest
     goes for good. Beside that greedy path, every contiguous run of N layers is screened and the best
     `blocks` measured (removing neighbours together can cost less than greedy's one-at-a-time order
     finds), right after round one while the engines still hold the uncut model. The best proposal is
