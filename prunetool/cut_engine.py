@@ -20,10 +20,9 @@ rest of its windows are never run.
 Memory: (L + 1) x W x T x d activations in the model's dtype (SmolLM2-135M, 16 x 512 windows: 0.6 GB in
 float32), plus one set of captured arguments per batch.
 
-Layer-streamed (`model` a prunetool.streaming.StreamedModel, prune --low-memory): the layers load
-themselves from the checkpoint when called, so the weights in memory are one layer's; the head is read
-in vocabulary blocks once per measurement, over the final states of all its windows together. The
-self-check then compares with the streamed model's own plain forward.
+`model` is any ModelRunner (prunetool.runner) or a loaded model. A layer-streamed one (prune --low-memory)
+loads its layers from the checkpoint when they are called, so the weights in memory are one layer's; its
+head is read in vocabulary blocks once per measurement, over the final states of all its windows together.
 """
 
 from __future__ import annotations
@@ -33,13 +32,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from prunetool.architecture import TESTED, decoder_of
-from prunetool.perplexity import _head_nll_sum, perplexity_from_mean
-from prunetool.loading import input_device
+from prunetool.architecture import TESTED
+from prunetool.perplexity import perplexity_from_mean
+from prunetool.runner import ModelRunner, as_runner
 
 SELF_CHECK_RTOL = 1e-5
-SCREEN_DTYPE = torch.bfloat16  # what halving's screening runs in where that is native (screening_model)
-SCREEN_COPY_ROOM = 2.0  # the low-precision copy is made only where twice its size is still free
 
 
 class EngineUnsupported(Exception):
@@ -54,17 +51,14 @@ class CutEngine:
     """Calibration perplexity of `current cut + extra layers`, reusing the shared prefix of every candidate."""
 
     def __init__(self, model, windows: torch.Tensor, *, batch_size: int = 1, self_check: bool = True):
-        from prunetool.streaming import StreamedModel
-
-        self.streamed = model if isinstance(model, StreamedModel) else None
-        model = self.streamed.model if self.streamed is not None else model
-        if model.config.model_type not in TESTED:
-            raise EngineUnsupported(f"no layer-by-layer path for model type {model.config.model_type!r}")
-        self.model, self.batch_size = model, max(1, batch_size)
-        self.decoder = decoder_of(model)
-        self.layers = list(self.decoder.layers)
-        self.device = input_device(model)  # the embedding's device, for a streamed model too
-        inputs = self.streamed.remap(windows) if self.streamed is not None else windows  # embedding rows
+        self.runner = as_runner(model)
+        if self.runner.config.model_type not in TESTED:
+            raise EngineUnsupported(f"no layer-by-layer path for model type {self.runner.config.model_type!r}")
+        self.model, self.batch_size = self.runner.model, max(1, batch_size)
+        self.decoder = self.runner.decoder
+        self.layers = list(self.runner.layers)
+        self.device = self.runner.device  # the embedding's device
+        inputs = self.runner.input_rows(windows)  # embedding rows
         self.batches = [inputs[start:start + self.batch_size].to(self.device, torch.long)
                         for start in range(0, windows.shape[0], self.batch_size)]
         self.targets = [windows[start:start + self.batch_size, 1:].reshape(-1).to(self.device, torch.long)
@@ -78,30 +72,24 @@ class CutEngine:
             arguments, inputs, last_hidden = self._capture(batch)
             self.kwargs.append(arguments)
             self.states.append(inputs)
-            if self_check and plain_first is None and self.streamed is None:
+            if self_check and plain_first is None:
                 with torch.inference_mode():
-                    plain_first = _head_nll_sum(self.model, last_hidden[:, :-1].reshape(-1, last_hidden.shape[-1]),
-                                                self.targets[0])
+                    plain_first = self.runner.head_nll_sum(
+                        last_hidden[:, :-1].reshape(-1, last_hidden.shape[-1]), self.targets[0])
         if self_check:
-            self._check(windows, plain_first)
+            self._check(plain_first)
 
-    def _check(self, windows: torch.Tensor, plain_first: float | None) -> None:
+    def _check(self, plain_first: float) -> None:
         """Refuse (EngineUnsupported) unless replaying the layers reproduces the model's own forward.
 
-        Loaded model: the first batch is replayed through every layer from its embedding output with the
-        captured arguments, then the decoder norm and the head, and compared with the capture pass's own
-        output through the same head (that pass is perplexity()'s forward, so no second forward is run).
-        Streamed model: the uncut perplexity against the streamed model's own plain forward.
+        The first batch is replayed through every layer from its embedding output with the captured
+        arguments, then the decoder norm and the head, and compared with the capture pass's own output
+        through the same head (that pass is perplexity()'s forward, so no second forward is run).
         """
-        if self.streamed is not None:
-            plain = self.streamed.perplexity(windows, batch_size=self.batch_size)
-            mine = self.perplexity_without(())
-        else:
-            with torch.inference_mode():
-                mine = self._nll(0, self._run(0, 0, set()))
-            plain = plain_first
-        if not math.isclose(mine, plain, rel_tol=SELF_CHECK_RTOL):
-            raise EngineUnsupported(f"layer-by-layer NLL {mine!r} differs from the model's {plain!r}")
+        with torch.inference_mode():
+            mine = self._nll(0, self._run(0, 0, set()))
+        if not math.isclose(mine, plain_first, rel_tol=SELF_CHECK_RTOL):
+            raise EngineUnsupported(f"layer-by-layer NLL {mine!r} differs from the model's {plain_first!r}")
 
     def _capture(self, batch: torch.Tensor) -> tuple[list[dict], list[torch.Tensor], torch.Tensor]:
         """One plain forward with a pre-hook on every layer: what each layer was given, the last layer's
@@ -138,11 +126,11 @@ class CutEngine:
         return hidden
 
     def _normed(self, last: torch.Tensor) -> torch.Tensor:
-        hidden = self.decoder.norm(last)[:, :-1]
+        hidden = self.runner.final_norm(last)[:, :-1]
         return hidden.reshape(-1, hidden.shape[-1])
 
     def _nll(self, batch: int, last: torch.Tensor) -> float:
-        return _head_nll_sum(self.model, self._normed(last), self.targets[batch])
+        return self.runner.head_nll_sum(self._normed(last), self.targets[batch])
 
     def perplexity_without(self, extra: Iterable[int], batches: Sequence[int] | None = None, *,
                            give_up_above: float = math.inf) -> float:
@@ -152,8 +140,8 @@ class CutEngine:
         holds stops measuring as soon as the answer is no. Every window's NLL is non-negative, so the
         windows measured so far give a lower bound exp(partial sum / all tokens); once that bound exceeds
         the limit the rest are skipped and the bound is returned. The result is therefore exact whenever
-        it is <= give_up_above, and above the limit (never above the exact value) otherwise. The streamed
-        model measures all windows in one head pass and is always exact.
+        it is <= give_up_above, and above the limit (never above the exact value) otherwise. A runner whose
+        head is read from disk measures all windows in one head pass and is always exact.
         """
         extra = set(extra) - set(self.removed)
         skip = set(self.removed) | extra
@@ -162,9 +150,9 @@ class CutEngine:
         start = min(extra) if extra else len(self.layers)
         chosen = range(len(self.batches)) if batches is None else batches
         with torch.inference_mode():
-            if self.streamed is not None:  # one pass of the streamed head over every window's final states
+            if self.runner.head_from_disk:  # one pass of the head over every window's final states
                 hidden = torch.cat([self._normed(self._run(batch, start, skip)) for batch in chosen])
-                total = self.streamed.head_nll_sum(hidden, torch.cat([self.targets[batch] for batch in chosen]))
+                total = self.runner.head_nll_sum(hidden, torch.cat([self.targets[batch] for batch in chosen]))
                 return perplexity_from_mean(total / hidden.shape[0])
             tokens = sum(self.targets[batch].numel() for batch in chosen)
             total = 0.0
@@ -205,51 +193,15 @@ class CutEngine:
         return sum(1 for index in range(min(extra), len(self.layers)) if index not in skip)
 
 
-def native_bfloat16(device: torch.device) -> bool:
-    """bfloat16 matmuls run natively on `device`: a CUDA GPU that supports them, or a CPU whose oneDNN has
-    bfloat16 kernels (AVX512-BF16 or AMX). Elsewhere they are emulated and slower than float32."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return False
-
-
 def screening_model(model):
     """The model a cheap screening pass runs: a bfloat16 copy of a float32 model where bfloat16 is native
-    (screening 128-token windows of SmolLM2 is about 3x faster so, on an AVX512-BF16 CPU), else the model.
+    (screening 128-token windows of SmolLM2 is about 3x faster so, on an AVX512-BF16 CPU), else the model
+    (ModelRunner.screening_copy). A plain nn.Module comes back as one, a runner as a runner.
 
     Screening only ranks candidates for the float32 measurements that decide (halving's confirmations),
-    so its lower precision changes which candidates are confirmed at most among near-ties. The copy keeps
-    the model's buffers (RoPE frequencies stay float32, as when a checkpoint is loaded in bfloat16) and its
-    tied weights tied. A layer-streamed model (prune --low-memory) gets a second streamed skeleton whose
-    layers load in bfloat16, the same rounding of the same checkpoint. Not made for a device-mapped model,
-    for a model already in a 16-bit dtype, or where memory_available_bytes() leaves less than
-    SCREEN_COPY_ROOM times its size.
+    so its lower precision changes which candidates are confirmed at most among near-ties. A layer-streamed
+    model (prune --low-memory) gets a second streamed skeleton whose layers load in bfloat16, the same
+    rounding of the same checkpoint.
     """
-    import copy
-
-    from prunetool.memory import memory_available_bytes
-    from prunetool.streaming import StreamedModel
-
-    if isinstance(model, StreamedModel):  # a second streamed skeleton whose layers load in bfloat16
-        if model.model.dtype != torch.float32 or model.reader is None or not native_bfloat16(model.device):
-            return model
-        from types import SimpleNamespace
-
-        from prunetool.streaming import build_streamed
-
-        return build_streamed(SimpleNamespace(path=model.reader.folder), model.used, dtype=SCREEN_DTYPE,
-                              device=model.device, attn_implementation=model.model.config._attn_implementation)
-    if getattr(model, "hf_device_map", None):
-        return model
-    parameters, device = list(model.parameters()), input_device(model)
-    if not parameters or any(p.dtype != torch.float32 for p in parameters) or not native_bfloat16(device):
-        return model
-    size = sum(p.numel() for p in parameters) * torch.finfo(SCREEN_DTYPE).bits // 8
-    room = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory_available_bytes()
-    if room is not None and room < SCREEN_COPY_ROOM * size:
-        return model
-    memo = {id(p): torch.nn.Parameter(p.detach().to(SCREEN_DTYPE), requires_grad=False) for p in parameters}
-    low = copy.deepcopy(model, memo)  # parameters come from the memo: no float32 duplicate is ever made
-    return low.eval()
+    screened = as_runner(model).screening_copy()
+    return screened if isinstance(model, ModelRunner) else screened.model

@@ -62,18 +62,6 @@ def perplexity_from_mean(mean: float) -> float:
     return math.exp(mean) if mean < math.log(torch.finfo(torch.float64).max) else math.inf
 
 
-def cut_perplexity(model, windows: torch.Tensor, *, removed=(), batch_size: int = 1) -> float:
-    """perplexity() with `removed` layers gone in memory; `model` may be a loaded model or a layer-streamed
-    StreamedModel (prune --low-memory), which reads one decoder layer at a time."""
-    from prunetool.in_memory import layers_removed
-    from prunetool.streaming import StreamedModel
-
-    if isinstance(model, StreamedModel):
-        return model.perplexity(windows, removed=removed, batch_size=batch_size)
-    with layers_removed(model, removed):
-        return perplexity(model, windows, batch_size=batch_size)
-
-
 def perplexity(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1) -> float:
     """exp(mean next-token NLL) over all windows (W, T), accumulated in float64, no KV cache.
 

@@ -81,7 +81,7 @@ class _LazyEngine:
 
 def _full_forward(req: SelectionRequest, windows: torch.Tensor, removed) -> float:
     """Perplexity of `windows` with `removed` gone, by a plain forward of the cut model (no engine)."""
-    from prunetool.perplexity import cut_perplexity
+    from prunetool.runner import cut_perplexity
 
     return cut_perplexity(req.model, windows, removed=sorted(removed), batch_size=req.batch_size)
 

@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from prunetool.architecture import decoder_of
 from prunetool.errors import OptionError
 from prunetool.plan import PrunePlan
 from prunetool.ranking import (GUIDED_BETA, GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS,
@@ -98,10 +97,9 @@ def _num_layers(scores: Scores | None, model, num_layers: int | None) -> int:
     if scores is not None:
         known["the scores"] = scores.num_layers
     if model is not None:
-        from prunetool.streaming import StreamedModel
+        from prunetool.runner import as_runner
 
-        module = model.model if isinstance(model, StreamedModel) else model
-        known["the model"] = len(decoder_of(module).layers)
+        known["the model"] = len(as_runner(model).layers)
     if num_layers is not None:
         known["num_layers"] = num_layers
     if not known:

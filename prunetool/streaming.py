@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from prunetool.architecture import decoder_of
 from prunetool.errors import UnsupportedModelError
+from prunetool.in_memory import layers_removed
 from prunetool.memory import return_freed_memory
+from prunetool import perplexity as windowed
+from prunetool.perplexity import perplexity_from_mean
+from prunetool.runner import SCREEN_DTYPE, ModelRunner, native_bfloat16
 from prunetool.surgery.tensors import find_decoder_prefix, read_weights
 
 
@@ -186,7 +192,13 @@ class LayerStreamer:
 
 
 @dataclasses.dataclass
-class StreamedModel:
+class StreamedModel(ModelRunner):
+    """The ModelRunner of prune --low-memory: a meta-device model whose layers load themselves when called;
+    its embedding holds only the rows of the windows it was built for, and its head is read from disk."""
+
+    holds_embedding_table: ClassVar[bool] = False  # only the calibration rows: a patch cannot fold into it
+    head_from_disk: ClassVar[bool] = True
+
     model: nn.Module
     remapped_ids: torch.Tensor  # calibration windows renumbered into the cut-down embedding table
     device: torch.device
@@ -217,15 +229,14 @@ class StreamedModel:
     def tensors_replaced(self, tensors: dict[str, torch.Tensor]):
         """replace_tensors for the duration of the block only."""
         saved = dict(self.streamer.overrides)
-        self.replace_tensors(tensors)
+        self.replace_tensors({name: value.to(self.model.dtype) for name, value in tensors.items()})
         try:
             yield
         finally:
             self.streamer.overrides = saved
 
-    @property
-    def config(self):
-        return self.model.config
+    def input_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.remap(ids)
 
     def remap(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids -> rows of the cut-down embedding; only ids the model was built for."""
@@ -237,13 +248,11 @@ class StreamedModel:
     def head_nll_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> float:
         """Summed NLL of `targets` (N,) under the LM head applied to normed `hidden` (N, d), the head read
         from the checkpoint a block of vocabulary rows at a time (a log-sum-exp accumulated over blocks)."""
-        from prunetool.perplexity import LOGITS_BUDGET_BYTES
-
         vocab = self.reader.entries[self.head_name][1].info["shape"][0]
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         # a sixteenth of the in-memory path's logits budget, for the logits and for the head rows read at once
         # (log-sum-exp doubles the first, the dtype cast the second; memory is the point here)
-        block = max(1, LOGITS_BUDGET_BYTES // (16 * 4 * max(hidden.shape[0], hidden.shape[1])))
+        block = max(1, windowed.LOGITS_BUDGET_BYTES // (16 * 4 * max(hidden.shape[0], hidden.shape[1])))
         targets = targets.to(hidden.device)
         log_total = torch.full((hidden.shape[0],), -torch.inf, device=hidden.device)
         target_logit = torch.zeros(hidden.shape[0], device=hidden.device)
@@ -263,9 +272,6 @@ class StreamedModel:
     def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1) -> float:
         """`perplexity()` of the model with `removed` layers gone, one decoder layer in memory at a time;
         the head runs once over the final hidden states of all windows (so it is read once)."""
-        from prunetool.in_memory import layers_removed
-        from prunetool.perplexity import perplexity_from_mean
-
         hidden = []
         inputs = self.remap(windows)
         with torch.inference_mode(), layers_removed(self.model, removed):
@@ -275,6 +281,15 @@ class StreamedModel:
                 hidden.append(states[:, :-1].reshape(-1, states.shape[-1]))
         total = self.head_nll_sum(torch.cat(hidden), windows[:, 1:].reshape(-1))
         return perplexity_from_mean(total / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
+    def screening_copy(self) -> ModelRunner:
+        """A second streamed skeleton whose layers load in bfloat16 (where that is native), the same rounding
+        of the same checkpoint; this model itself when it is not float32."""
+        if self.model.dtype != torch.float32 or self.reader is None or not native_bfloat16(self.device):
+            return self
+        return build_streamed(SimpleNamespace(path=self.reader.folder), self.used, dtype=SCREEN_DTYPE,
+                              device=self.device, attn_implementation=self.model.config._attn_implementation)
 
 
 def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, device: torch.device,

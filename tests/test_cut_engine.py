@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from prunetool import cut_engine
-from prunetool.cut_engine import CutEngine, EngineUnsupported, native_bfloat16, screening_model
+from prunetool import runner
+from prunetool.cut_engine import CutEngine, EngineUnsupported, screening_model
+from prunetool.runner import native_bfloat16
 from prunetool.in_memory import layers_removed
 from prunetool.perplexity import perplexity
 
@@ -106,15 +107,15 @@ def test_the_screening_copy_is_the_model_rounded_to_bfloat16_and_leaves_the_mode
 
 def test_no_screening_copy_for_16_bit_models_or_without_room(tiny_checkpoint, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen2"), dtype=torch.float32).eval()
-    monkeypatch.setattr(cut_engine, "native_bfloat16", lambda device: True)
+    monkeypatch.setattr(runner, "native_bfloat16", lambda device: True)
     assert screening_model(model) is not model
     monkeypatch.setattr("prunetool.memory.memory_available_bytes",
-                        lambda: int(cut_engine.SCREEN_COPY_ROOM * sum(p.numel() for p in model.parameters()) * 2) - 1)
+                        lambda: int(runner.SCREEN_COPY_ROOM * sum(p.numel() for p in model.parameters()) * 2) - 1)
     assert screening_model(model) is model
     half = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen2"), dtype=torch.bfloat16).eval()
     assert screening_model(half) is half
     monkeypatch.undo()
-    monkeypatch.setattr(cut_engine, "native_bfloat16", lambda device: False)  # emulated bfloat16: no gain
+    monkeypatch.setattr(runner, "native_bfloat16", lambda device: False)  # emulated bfloat16: no gain
     assert screening_model(model) is model
 
 

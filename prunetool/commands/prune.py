@@ -30,13 +30,12 @@ from pathlib import Path
 from rich.console import Console
 
 from prunetool.calibration import HOLDOUT_WINDOWS, CalibrationSet, load_calibration
-from prunetool.architecture import decoder_of
 from prunetool.checkpoint_io import text_num_layers, text_section
 from prunetool.errors import CalibrationError, OptionError
 from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
 from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
 from prunetool.memory import peak_rss_bytes, use_low_memory
-from prunetool.perplexity import cut_perplexity
+from prunetool.runner import as_runner, cut_perplexity
 from prunetool.plan import PrunePlan
 from prunetool.progress import window_progress
 from prunetool.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS
@@ -46,7 +45,6 @@ from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, 
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.demo import find_alias
 from prunetool.sources.tokenizer import FileTokenizer
-from prunetool.streaming import StreamedModel
 from prunetool.surgery import patched_tensor_names, write_pruned_checkpoint
 from prunetool.verify import VerifySetting, verify_checkpoint, verify_streamed
 
@@ -202,14 +200,11 @@ def choose(request, spec, scores, model, calibration, console: Console) -> tuple
     with window_progress(console) as progress:
         if scores is None and needs in ("scores", "both"):
             task = progress.add_task("scoring windows", total=calibration.windows)
-            if isinstance(model, StreamedModel):  # its embedding holds only the rows these windows use
-                renumbered = dataclasses.replace(calibration, input_ids=model.remap(calibration.input_ids))
-                scores = score_model(model.model, renumbered, model_name=spec, batch_size=request.batch_size,
-                                     on_batch=lambda n: progress.advance(task, n), device=model.device,
-                                     dtype=model.model.dtype)
-            else:
-                scores = score_model(model, calibration, model_name=spec, batch_size=request.batch_size,
-                                     on_batch=lambda n: progress.advance(task, n))
+            runner = as_runner(model)  # a streamed model's embedding holds only the rows these windows use
+            renumbered = dataclasses.replace(calibration, input_ids=runner.input_rows(calibration.input_ids))
+            scores = score_model(runner.model, renumbered, model_name=spec, batch_size=request.batch_size,
+                                 on_batch=lambda n: progress.advance(task, n), device=runner.device,
+                                 dtype=runner.dtype)
         search = progress.add_task("perplexity search", total=None, visible=needs in ("model", "both"))
         plan = make_plan(spec, request.criterion, request.drop, scores=scores, model=model, calibration=calibration,
                          num_layers=num_layers, beta=request.beta, protect_first=request.protect_first,
@@ -253,26 +248,23 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
     which is what a reload of the written checkpoint in the same dtype holds, so the in-memory perplexity
     is the reference the written checkpoint must match.
     """
-    import torch
-
-    from prunetool.repair import capture_runs, fit_runs, plan_sites
+    from prunetool.repair import capture_runs, fit_runs
     from prunetool.repair.fit import DEFAULT_OBJECTIVE
     from prunetool.repair.patch import CACHE_TOKENS, RIDGE
-
-    from prunetool.repair.sites import streamed_sites
+    from prunetool.repair.sites import runner_sites
 
     objective = request.patch_objective or DEFAULT_OBJECTIVE
     clock = time.perf_counter()
-    streamed = model if isinstance(model, StreamedModel) else None
-    sites = streamed_sites(streamed.model, plan.removed) if streamed else plan_sites(model, plan.removed)
+    runner = as_runner(model)
+    sites = runner_sites(runner, plan.removed)
     with window_progress(console) as progress:
         task = progress.add_task("patch: calibration pass", total=calibration.windows)  # the patch windows
-        data = capture_runs(model, calibration.input_ids, sites, objective, batch_size=request.batch_size,
+        data = capture_runs(runner, calibration.input_ids, sites, objective, batch_size=request.batch_size,
                             on_batch=lambda n: progress.advance(task, n))
-    patches = fit_runs(model, data, objective)
+    patches = fit_runs(runner, data, objective)
     relative = [name for patch in patches for name in patch.tensors]
     on_disk = patched_tensor_names(source.path, relative) if relative else {}
-    decoder = decoder_of(streamed.model if streamed else model)
+    decoder = runner.decoder
     replacements, runs, in_model = {}, [], {}
     for patch in patches:
         record = dict(patch.record)
@@ -288,13 +280,9 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
             disk_name, disk_dtype = on_disk[name]
             parameter = decoder.get_parameter(name)
             in_model[name] = value.to(disk_dtype).to(parameter.dtype)
-            if streamed is None:
-                with torch.no_grad():
-                    parameter.copy_(in_model[name])
             replacements[disk_name] = value
         runs.append(record)
-    if streamed is not None:  # from now on each patched layer loads its new tensors
-        streamed.replace_tensors(in_model)
+    runner.replace_tensors(in_model)  # a streamed model loads each patched layer's new tensors from now on
     record = {"objective": objective, "windows": calibration.windows, "tokens": calibration.tokens,
               "seq_len": calibration.seq_len, "stride": calibration.stride,
               "windows_used": "the first windows of the calibration stream (the selection windows and, "

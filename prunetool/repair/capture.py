@@ -69,11 +69,11 @@ def capture_runs(model, windows: torch.Tensor, sites: list[PatchSite], objective
                  cache_tokens: int = CACHE_TOKENS, batch_size: int = 1, on_batch=None) -> list[RunData]:
     """Run the unpruned `model` over `windows` (W, T) once; returns one RunData per site (skips included).
 
-    `model` may be a layer-streamed StreamedModel: the hooks then see each layer while it is loaded."""
-    from prunetool.streaming import StreamedModel
+    `model` may be any ModelRunner: a layer-streamed one's hooks see each layer while it is loaded."""
+    from prunetool.runner import as_runner
 
-    if isinstance(model, StreamedModel):
-        windows, model = model.remap(windows), model.model
+    runner = as_runner(model)
+    windows, model = runner.input_rows(windows), runner.model
     decoder = decoder_of(model)
     layers = decoder.layers
     width = model.config.get_text_config(decoder=True).hidden_size

@@ -117,19 +117,18 @@ def fit_run(model, run: RunData, objective: str) -> RunPatch:
 
 
 def fit_runs(model, data: list[RunData], objective: str) -> list[RunPatch]:
-    """One RunPatch per run. `model` may be a layer-streamed StreamedModel (prune --low-memory): each
-    absorbing layer then holds its real weights only while its run is fitted."""
-    from prunetool.streaming import StreamedModel
+    """One RunPatch per run. `model` may be any ModelRunner: a layer-streamed one (prune --low-memory) holds
+    an absorbing layer's real weights only while its run is fitted."""
+    from prunetool.runner import as_runner
 
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown patch objective {objective!r}; expected one of {OBJECTIVES}")
-    if not isinstance(model, StreamedModel):
-        return [fit_run(model, run, objective) for run in data]
+    runner = as_runner(model)
     patches = []
     for run in data:
         if run.site.kind in ("down_proj", "norm"):
-            with model.layer_loaded(run.site.layer):
-                patches.append(fit_run(model.model, run, objective))
-        else:  # skip sites only: streamed_sites never plans an embedding fold
-            patches.append(fit_run(model.model, run, objective))
+            with runner.layer_loaded(run.site.layer):
+                patches.append(fit_run(runner.model, run, objective))
+        else:  # skips and embedding folds (planned only where the runner holds the whole table)
+            patches.append(fit_run(runner.model, run, objective))
     return patches

@@ -117,10 +117,13 @@ def norm_name(layer: nn.Module) -> str | None:
     return next((name for name in POST_MLP_NORMS if isinstance(getattr(layer, name, None), nn.Module)), None)
 
 
-def streamed_sites(model: nn.Module, removed) -> list[PatchSite]:
-    """plan_sites for a layer-streamed model (prune --low-memory): a run from layer 0 is recorded as not
-    patched, since folding into the embedding needs the whole table in memory."""
+def runner_sites(runner, removed) -> list[PatchSite]:
+    """plan_sites for a ModelRunner: where its embedding holds only the calibration rows (prune --low-memory),
+    a run from layer 0 is recorded as not patched, since folding into the embedding needs the whole table."""
+    sites = plan_sites(runner.model, removed)
+    if runner.holds_embedding_table:
+        return sites
     return [PatchSite(site.first, site.last, "skip", final=site.final,
                       reason="a run from layer 0 is not patched with --low-memory (the fold needs the whole "
                              "embedding table in memory)")
-            if site.kind == "embedding" else site for site in plan_sites(model, removed)]
+            if site.kind == "embedding" else site for site in sites]
