@@ -76,9 +76,9 @@ def sharded_copy(model: str, shard_size: str) -> Path:
 
 def child(method: str, source: str, output: str, layers: str) -> None:
     """Runs in the measured process: one write, then its own timing and pre-call RSS as JSON."""
-    from prunetool.plan import PrunePlan
-    from prunetool.surgery import write_pruned_checkpoint
-    from prunetool.surgery.config import load_config
+    from prunetool.select.plan import PrunePlan
+    from prunetool.checkpoint.surgery import write_pruned_checkpoint
+    from prunetool.checkpoint.surgery.config import load_config
 
     _, num_layers, _ = load_config(Path(source))  # imports transformers before the RSS reading
     plan = PrunePlan("bench", num_layers, tuple(int(i) for i in layers.split(",")), "manual")
@@ -96,7 +96,8 @@ def naive_write(source: Path, plan, output: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from prunetool.surgery.tensors import find_decoder_prefix, read_weights, renamer
+    from prunetool.sources.weights import find_decoder_prefix, read_weights
+    from prunetool.checkpoint.surgery.tensors import renamer
 
     weights = read_weights(source)
     rename = renamer(find_decoder_prefix(weights.names, plan.num_layers), plan.index_map)
@@ -110,9 +111,9 @@ def naive_write(source: Path, plan, output: Path) -> None:
 
 def mergekit_config(source: Path, layers: str, target: Path) -> Path:
     """Write the mergekit passthrough config prunetool exports beside a pruned model (same dtype rule)."""
-    from prunetool.exports import mergekit_yaml
-    from prunetool.plan import PrunePlan
-    from prunetool.surgery.config import load_config, text_section
+    from prunetool.checkpoint.exports import mergekit_yaml
+    from prunetool.select.plan import PrunePlan
+    from prunetool.checkpoint.surgery.config import load_config, text_section
 
     config, num_layers, _ = load_config(source)
     plan = PrunePlan("bench", num_layers, tuple(int(i) for i in layers.split(",")), "manual")
@@ -296,9 +297,9 @@ def check_mergekit(source: Path, layers: str, mergekit_bin: Path) -> int:
     import torch
     from safetensors import safe_open
 
-    from prunetool.plan import PrunePlan
-    from prunetool.surgery import write_pruned_checkpoint
-    from prunetool.surgery.config import load_config
+    from prunetool.select.plan import PrunePlan
+    from prunetool.checkpoint.surgery import write_pruned_checkpoint
+    from prunetool.checkpoint.surgery.config import load_config
 
     def tensors(folder: Path) -> dict:
         found = {}

@@ -38,7 +38,7 @@ LLAMA = {
     "Llama-3.1-8B": dict(layers=32, d=4096, ff=14336, heads=32, kv=8, head_dim=128, vocab=128256, tied=False),
     "Llama-3.1-70B": dict(layers=80, d=8192, ff=28672, heads=64, kv=8, head_dim=128, vocab=128256, tied=False),
 }
-# The defaults of the commands (prunetool/ranking.py, cli.py): 16 x 512 calibration windows for score;
+# The defaults of the commands (prunetool/select/ranking.py, cli.py): 16 x 512 calibration windows for score;
 # halving on 4 measuring windows of 512 tokens screened on their first 128; heal 100k tokens in 4 x 256.
 SCORE_WINDOWS, SEQ = 16, 512
 REFINE, SCREEN, KEEP, BLOCKS = 4, 128, 4, 3
@@ -124,7 +124,7 @@ def interpreter_rss() -> int:
     import subprocess
     import sys
 
-    process = subprocess.Popen([sys.executable, "-c", "import torch, transformers, prunetool.cli, prunetool.scoring"])
+    process = subprocess.Popen([sys.executable, "-c", "import torch, transformers, prunetool.cli, prunetool.select.scoring"])
     _, _, usage = os.wait4(process.pid, 0)
     return usage.ru_maxrss * 1024
 

@@ -99,6 +99,12 @@ TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow a che
 # prune/heads, and --layers removed layers in prune but selected them in heads.
 OldOutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", hidden=True)]
 OldLayersOpt = Annotated[Optional[str], typer.Option("--layers", hidden=True)]
+LowMemoryOpt = Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
+                         "time from the checkpoint (same results; score and heads need cached or --calib text; "
+                         "prune chooses it by itself when the checkpoint does not fit).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder (never the source).")]
+VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Reload in --dtype on --device, decode with and "
+                      "without cache, measure held-out perplexity.")]
 PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also draw the per-layer scores to this PNG "
                     "(needs the [plot] extra: pip install 'prunetool[plot]').")]
 
@@ -185,6 +191,35 @@ def models(json_out: JsonOpt = False):
     out.print(table)
 
 
+def placement_for(device_map, max_memory, offload_dir, low_memory: bool = False):
+    """--device-map/--max-memory/--offload-dir as one placement; refused beside --low-memory."""
+    from prunetool.model.placement import placement_from_options
+
+    placement = placement_from_options(device_map, max_memory, offload_dir)
+    if placement is not None and low_memory:
+        raise OptionError("--low-memory never loads the model; --device-map places a loaded one: choose one")
+    return placement
+
+
+def check_output_file(path: Optional[Path], flag: str) -> None:
+    """A results file must not be a folder: refused before any slow work."""
+    if path is not None and path.is_dir():
+        raise OptionError(f"{flag} {path} is a folder; give a file name such as results.json")
+
+
+def check_plot(plot: Optional[Path]) -> None:
+    if plot is not None:
+        from prunetool.output.plots import check_plot_path
+
+        check_plot_path(plot)
+
+
+# score's own options
+ScoreDropOpt = Annotated[Optional[int], typer.Option("--drop", help="Mark the N lowest-ranked layers, where a default "
+                         "prune starts its search (default: a quarter).")]
+ScoreOutputOpt = Annotated[Optional[Path], typer.Option("--output-file", help="Write the scores JSON to this file.")]
+
+
 @app.command()
 @handle_errors
 def score(
@@ -199,10 +234,9 @@ def score(
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadOpt = None,
     batch_size: BatchOpt = 1,
-    drop: Annotated[Optional[int], typer.Option("--drop", help="Mark the N lowest-ranked layers, where a default prune starts its search (default: a quarter).")] = None,
-    low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
-                          "time from the checkpoint (same scores; needs cached or --calib text).")] = False,
-    output_file: Annotated[Optional[Path], typer.Option("--output-file", help="Write the scores JSON to this file.")] = None,
+    drop: ScoreDropOpt = None,
+    low_memory: LowMemoryOpt = False,
+    output_file: ScoreOutputOpt = None,
     old_output: OldOutputOpt = None,
     plot: PlotOpt = None,
     json_out: JsonOpt = False,
@@ -212,25 +246,29 @@ def score(
     require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size, drop=drop)
     output = one_of("--output-file", output_file, "--output", old_output)
     check_output_file(output, "--output-file")
-    if plot is not None:
-        from prunetool.plots import check_plot_path
-
-        check_plot_path(plot)
+    check_plot(plot)
     from prunetool.commands.score import run_score
-    from prunetool.placement import placement_from_options
 
-    placement = placement_from_options(device_map, max_memory, offload_dir)
-    if placement is not None and low_memory:
-        raise OptionError("--low-memory never loads the model; --device-map places a loaded one: choose one")
+    placement = placement_for(device_map, max_memory, offload_dir, low_memory)
     started = time.perf_counter()
     scores, timings = run_score(
         model, calib=calib, seq_len=seq_len, stride=stride, samples=samples, dtype=dtype, device=device,
         batch_size=batch_size, trust_remote_code=trust_remote_code, console=err, low_memory=low_memory, drop=drop,
         placement=placement,
     )
+    show_scores(scores, drop, output, plot, json_out)
+    timings["total"] = time.perf_counter() - started
+    err.print("time: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()), highlight=False)
+    for what, path in (("scores", output), ("plot", plot)):
+        if path:
+            err.print(f"{what} written to {path}", highlight=False)
+
+
+def show_scores(scores, drop: Optional[int], output: Optional[Path], plot: Optional[Path], json_out: bool) -> None:
+    """Write, plot and print the scores, the lowest-ranked layers marked."""
     from prunetool.checkpoint_io import write_json_atomic
-    from prunetool.ranking import GUIDED_BETA, default_drop_count, guided_importance, lowest
-    from prunetool.report import scores_table
+    from prunetool.output.report import scores_table
+    from prunetool.select.ranking import GUIDED_BETA, default_drop_count, guided_importance, lowest
 
     data = scores.to_json()
     importance = guided_importance(scores.column("block_influence"), scores.column("q_similarity"))
@@ -239,115 +277,127 @@ def score(
     if output:
         write_json_atomic(output, data)
     if plot is not None:
-        from prunetool.plots import plot_layer_scores
+        from prunetool.output.plots import plot_layer_scores
 
         plot_layer_scores(data, plot, removed=marked, title=f"{scores.model}: the {count} lowest-ranked layers marked",
                           band_label="marked: lowest-ranked by the scores")
     if json_out:
         typer.echo(json.dumps(data))
-    else:
-        out.print(scores_table(scores, set(marked), importance))
-        calibration = scores.calibration
-        out.print(f"calibration: {calibration['source']} (sha256 {calibration['sha256'][:12]}…), "
-                  f"{calibration['windows']} windows x {calibration['seq_len']} tokens, stride {calibration['stride']}",
-                  highlight=False, soft_wrap=True)
-        out.print(f"marked: the {count} lowest-ranked layers (rank(BI) + {GUIDED_BETA} * (1 - rank(q-sim))), what the scores "
-                  f"predict; `prunetool prune --drop {count}` measures candidate cuts instead and may choose others",
-                  highlight=False, soft_wrap=True)
-    timings["total"] = time.perf_counter() - started
-    err.print("time: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()), highlight=False)
-    for what, path in (("scores", output), ("plot", plot)):
-        if path:
-            err.print(f"{what} written to {path}", highlight=False)
+        return
+    out.print(scores_table(scores, set(marked), importance))
+    calibration = scores.calibration
+    out.print(f"calibration: {calibration['source']} (sha256 {calibration['sha256'][:12]}…), "
+              f"{calibration['windows']} windows x {calibration['seq_len']} tokens, stride {calibration['stride']}",
+              highlight=False, soft_wrap=True)
+    out.print(f"marked: the {count} lowest-ranked layers (rank(BI) + {GUIDED_BETA} * (1 - rank(q-sim))), what the scores "
+              f"predict; `prunetool prune --drop {count}` measures candidate cuts instead and may choose others",
+              highlight=False, soft_wrap=True)
 
 
-def check_output_file(path: Optional[Path], flag: str) -> None:
-    """A results file must not be a folder: refused before any slow work."""
-    if path is not None and path.is_dir():
-        raise OptionError(f"{flag} {path} is a folder; give a file name such as results.json")
+# prune's own options
+DropOpt = Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers, chosen by --criterion.")]
+RemoveLayersOpt = Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
+                            "original indices, e.g. 3,7,12.")]
+CriterionOpt = Annotated[str, typer.Option("--criterion", help="halving (default), guided, qsim, tappa, bi, angular, "
+                         "last or ppl (docs/pruning.md).")]
+BetaOpt = Annotated[Optional[float], typer.Option("--beta", help="tappa and guided: weight on (1 - q-similarity), "
+                    "default 0.3.")]
+ShortlistOpt = Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round; halving: "
+                         "screened layers confirmed on all windows per round.")]
+RefineOpt = Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity "
+                      "measurement; halving: windows a screening uses.")]
+BlocksOpt = Annotated[int, typer.Option("--blocks", help="guided and halving: contiguous blocks measured beside the "
+                      "greedy path.")]
+ScreenTokensOpt = Annotated[int, typer.Option("--screen-tokens", help="halving: tokens of each measuring window a "
+                            "screening reads.")]
+ScreenDtypeOpt = Annotated[str, typer.Option("--screen-dtype", help="halving: auto screens in bfloat16 where it is "
+                           "native (confirmations stay in the model's dtype); model screens in the model's dtype.")]
+ScoresOpt = Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score "
+                      "--output-file`; its recorded calibration is used.")]
+ProtectFirstOpt = Annotated[int, typer.Option("--protect-first", help="Never remove the first K layers.")]
+ProtectLastOpt = Annotated[int, typer.Option("--protect-last", help="Never remove the last K layers.")]
+PruneOutputOpt = Annotated[Optional[Path], typer.Option("--output-dir", help="Folder to write (default "
+                           "./NAME-pruned-N).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show which layers would go and why; write nothing.")]
+PrunePlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also draw the per-layer scores, the removed "
+                         "layers and every candidate the search measured to this PNG (needs the [plot] extra).")]
+PatchOpt = Annotated[bool, typer.Option("--patch", help="Repair each removed run by refitting the down_proj of the "
+                     "kept layer before it on calibration activations (closed form, no training; the checkpoint keeps "
+                     "the standard architecture; docs/repair.md).")]
+PatchObjectiveOpt = Annotated[Optional[str], typer.Option("--patch-objective", help="--patch fit: lstsq, cosine or "
+                              "down_proj (default: down_proj, which measured best).")]
+PatchWindowsOpt = Annotated[Optional[int], typer.Option("--patch-windows", help="--patch fits on the first N "
+                            "calibration windows (the selection windows, then the ones after them; held-out "
+                            "windows start after both). Default: 65536 tokens' worth (128 of 512).")]
 
 
 @app.command()
 @handle_errors
 def prune(
     model: PruneModelArg = None,
-    drop: Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers, chosen by --criterion.")] = None,
-    remove_layers: Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
-                             "original indices, e.g. 3,7,12.")] = None,
+    drop: DropOpt = None,
+    remove_layers: RemoveLayersOpt = None,
     old_layers: OldLayersOpt = None,
-    criterion: Annotated[str, typer.Option("--criterion", help="halving (default), guided, qsim, tappa, bi, angular, last or ppl (docs/pruning.md).")] = "halving",
-    beta: Annotated[Optional[float], typer.Option("--beta", help="tappa and guided: weight on (1 - q-similarity), default 0.3.")] = None,
-    shortlist: Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round; halving: screened layers confirmed on all windows per round.")] = 4,
-    refine_windows: Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity measurement; halving: windows a screening uses.")] = 4,
-    blocks: Annotated[int, typer.Option("--blocks", help="guided and halving: contiguous blocks measured beside the greedy path.")] = 3,
-    screen_tokens: Annotated[int, typer.Option("--screen-tokens", help="halving: tokens of each measuring window a screening reads.")] = 128,
-    screen_dtype: Annotated[str, typer.Option("--screen-dtype", help="halving: auto screens in bfloat16 where it is "
-                            "native (confirmations stay in the model's dtype); model screens in the model's dtype.")] = "auto",
-    scores: Annotated[Optional[Path], typer.Option("--scores", help="A scores JSON from `prunetool score --output-file`; "
-                      "its recorded calibration is used.")] = None,
+    criterion: CriterionOpt = "halving",
+    beta: BetaOpt = None,
+    shortlist: ShortlistOpt = 4,
+    refine_windows: RefineOpt = 4,
+    blocks: BlocksOpt = 3,
+    screen_tokens: ScreenTokensOpt = 128,
+    screen_dtype: ScreenDtypeOpt = "auto",
+    scores: ScoresOpt = None,
     calib: CalibOpt = None,
     seq_len: SeqLenOpt = 512,
     stride: StrideOpt = None,
     samples: SamplesOpt = 16,
-    protect_first: Annotated[int, typer.Option("--protect-first", help="Never remove the first K layers.")] = 0,
-    protect_last: Annotated[int, typer.Option("--protect-last", help="Never remove the last K layers.")] = 0,
-    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", help="Folder to write (default ./NAME-pruned-N).")] = None,
+    protect_first: ProtectFirstOpt = 0,
+    protect_last: ProtectLastOpt = 0,
+    output_dir: PruneOutputOpt = None,
     old_output: OldOutputOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder (never the source).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show which layers would go and why; write nothing.")] = False,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload in --dtype on --device, decode with and "
-                      "without cache, measure held-out perplexity.")] = True,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw the per-layer scores, the removed layers and "
-                    "every candidate the search measured to this PNG (needs the [plot] extra).")] = None,
-    patch: Annotated[bool, typer.Option("--patch", help="Repair each removed run by refitting the down_proj of the "
-                     "kept layer before it on calibration activations (closed form, no training; the checkpoint keeps "
-                     "the standard architecture; docs: issue 13).")] = False,
-    patch_objective: Annotated[Optional[str], typer.Option("--patch-objective", help="--patch fit: lstsq, cosine or "
-                               "down_proj (default: down_proj, which measured best).")] = None,
-    patch_windows: Annotated[Optional[int], typer.Option("--patch-windows", help="--patch fits on the first N "
-                             "calibration windows (the selection windows, then the ones after them; held-out "
-                             "windows start after both). Default: 65536 tokens' worth (128 of 512).")] = None,
+    force: ForceOpt = False,
+    dry_run: DryRunOpt = False,
+    verify: VerifyOpt = True,
+    plot: PrunePlotOpt = None,
+    patch: PatchOpt = False,
+    patch_objective: PatchObjectiveOpt = None,
+    patch_windows: PatchWindowsOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadOpt = None,
     batch_size: BatchOpt = 1,
-    low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
-                          "time from the checkpoint for the search and the verification (same choice and tensors; "
-                          "chosen by itself when the checkpoint does not fit).")] = False,
+    low_memory: LowMemoryOpt = False,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
     """Remove decoder layers and write a loadable safetensors checkpoint (0-based original indices throughout)."""
     require_positive(seq_len=seq_len, stride=stride, samples=samples, batch_size=batch_size, drop=drop)
-    if plot is not None:
-        from prunetool.plots import check_plot_path
-
-        check_plot_path(plot)
+    check_plot(plot)
     from prunetool.commands.prune import PruneRequest, run_prune
-    from prunetool.placement import placement_from_options
-    from prunetool.report import perplexity_table, plan_table
 
-    placement = placement_from_options(device_map, max_memory, offload_dir)
-    if placement is not None and low_memory:
-        raise OptionError("--low-memory never loads the model; --device-map places a loaded one: choose one")
-    request = PruneRequest(placement=placement, low_memory=low_memory,
+    request = PruneRequest(
+        placement=placement_for(device_map, max_memory, offload_dir, low_memory), low_memory=low_memory,
         model=model, drop=drop, layers=one_of("--remove-layers", remove_layers, "--layers", old_layers),
         criterion=criterion, beta=beta, scores_file=scores, calib=calib, seq_len=seq_len, stride=stride,
         samples=samples, protect_first=protect_first, protect_last=protect_last,
         output=one_of("--output-dir", output_dir, "--output", old_output), force=force, dry_run=dry_run,
         verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
         shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens,
-        screen_dtype=screen_dtype, patch=patch,
-        patch_objective=patch_objective, patch_windows=patch_windows,
+        screen_dtype=screen_dtype, patch=patch, patch_objective=patch_objective, patch_windows=patch_windows,
     )
-    result = run_prune(request, err)
+    show_prune(run_prune(request, err), plot, json_out, dry_run, verify)
+
+
+def show_prune(result: dict, plot: Optional[Path], json_out: bool, dry_run: bool, verify: bool) -> None:
+    """Plot and print what prune chose, measured and wrote."""
+    from prunetool.output.report import perplexity_table, plan_table
+
     plan = result["plan"]
     if result.get("low_memory"):
         err.print(f"peak memory: {result['peak_rss_bytes'] / 2**30:.2f} GiB resident (layer-streamed)", highlight=False)
     if plot is not None:
-        from prunetool.plots import plot_prune
+        from prunetool.output.plots import plot_prune
 
         plot_prune(result["scores"], plan, plot)
         err.print(f"plot written to {plot}", highlight=False)
@@ -370,40 +420,59 @@ def prune(
               highlight=False, soft_wrap=True)
 
 
+# heal's own options
+HealModelArg = Annotated[Optional[str], typer.Argument(help="A folder written by `prunetool prune`; default: the "
+                         "current run's pruned model.", show_default=False)]
+TokensOpt = Annotated[int, typer.Option("--tokens", help="Training budget in tokens (rounded up to whole steps of "
+                      "batch-size x grad-accum windows).")]
+EpochsOpt = Annotated[int, typer.Option("--epochs", help="Passes over the training text: the budget reads "
+                      "tokens / epochs of text, each later pass in a new order.")]
+TrainOpt = Annotated[str, typer.Option("--train", help="What trains: lora (adapters on every attention and MLP "
+                     "projection, merged back), adjacent (the kept layers next to each cut) or all.")]
+TeacherOpt = Annotated[Optional[str], typer.Option("--teacher", help="The model to distil from (default: the base "
+                       "prune.json names); must have the student's tokenizer.")]
+HealCalibOpt = Annotated[Optional[str], typer.Option("--calib", help="Train on this text instead (same forms as "
+                         "score's --calib); default: prune's calibration text after its held-out windows.")]
+GradAccumOpt = Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]
+LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate (default 1e-3 for lora, 2e-5 "
+                  "otherwise: LoRA's zero-initialised adapters need larger steps, full weights drift with them).")]
+LoraRankOpt = Annotated[int, typer.Option("--lora-rank", help="LoRA rank r (alpha = 2r).")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", help="Softmax temperature of the KL term (scaled "
+                           "by T^2).")]
+CeWeightOpt = Annotated[float, typer.Option("--ce-weight", help="a in (1-a) KL + a CE on the next token (0: pure "
+                        "distillation; 0.5 did best in docs/repair.md).")]
+SaveEveryOpt = Annotated[Optional[int], typer.Option("--save-every", help="Write a resumable checkpoint every N "
+                         "optimizer steps (to OUTPUT.checkpoint).")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint (same options).")]
+HealOutputOpt = Annotated[Optional[Path], typer.Option("--output-dir", help="Folder to write (default "
+                          "./NAME-healed).")]
+HealDtypeOpt = Annotated[str, typer.Option("--dtype", help="Teacher and verification dtype: auto (float32 on CPU, "
+                         "bfloat16 on GPU), float32, bfloat16, float16. With bfloat16 the student keeps float32 "
+                         "weights and trains under bf16 autocast (2.5x faster on CPUs with AMX).")]
+
+
 @app.command()
 @handle_errors
 def heal(
-    model: Annotated[Optional[str], typer.Argument(help="A folder written by `prunetool prune`; default: the current "
-                                                        "run's pruned model.", show_default=False)] = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="Training budget in tokens (rounded up to whole steps of "
-                      "batch-size x grad-accum windows).")] = 100_000,
-    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the training text: the budget reads "
-                      "tokens / epochs of text, each later pass in a new order.")] = 1,
-    train: Annotated[str, typer.Option("--train", help="What trains: lora (adapters on every attention and MLP "
-                     "projection, merged back), adjacent (the kept layers next to each cut) or all.")] = "lora",
-    teacher: Annotated[Optional[str], typer.Option("--teacher", help="The model to distil from (default: the base "
-                       "prune.json names); must have the student's tokenizer.")] = None,
-    calib: Annotated[Optional[str], typer.Option("--calib", help="Train on this text instead (same forms as score's "
-                     "--calib); default: prune's calibration text after its held-out windows.")] = None,
+    model: HealModelArg = None,
+    tokens: TokensOpt = 100_000,
+    epochs: EpochsOpt = 1,
+    train: TrainOpt = "lora",
+    teacher: TeacherOpt = None,
+    calib: HealCalibOpt = None,
     seq_len: SeqLenOpt = 256,
     batch_size: BatchOpt = 4,
-    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")] = 1,
-    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate (default 1e-3 for lora, 2e-5 "
-                  "otherwise: LoRA's zero-initialised adapters need larger steps, full weights drift with them).")] = None,
-    lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank r (alpha = 2r).")] = 8,
-    temperature: Annotated[float, typer.Option("--temperature", help="Softmax temperature of the KL term (scaled "
-                           "by T^2).")] = 1.0,
-    ce_weight: Annotated[float, typer.Option("--ce-weight", help="a in (1-a) KL + a CE on the next token (0: pure distillation; 0.5 did best in docs/repair.md).")] = 0.5,
-    save_every: Annotated[Optional[int], typer.Option("--save-every", help="Write a resumable checkpoint every N "
-                          "optimizer steps (to OUTPUT.checkpoint).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint (same options).")] = False,
-    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", help="Folder to write (default ./NAME-healed).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload in --dtype on --device, decode with and "
-                      "without cache, check held-out perplexity.")] = True,
-    dtype: Annotated[str, typer.Option("--dtype", help="Teacher and verification dtype: auto (float32 on CPU, "
-                     "bfloat16 on GPU), float32, bfloat16, float16. With bfloat16 the student keeps float32 weights "
-                     "and trains under bf16 autocast (2.5x faster on CPUs with AMX).")] = "auto",
+    grad_accum: GradAccumOpt = 1,
+    lr: LrOpt = None,
+    lora_rank: LoraRankOpt = 8,
+    temperature: TemperatureOpt = 1.0,
+    ce_weight: CeWeightOpt = 0.5,
+    save_every: SaveEveryOpt = None,
+    resume: ResumeOpt = False,
+    output_dir: HealOutputOpt = None,
+    force: ForceOpt = False,
+    verify: VerifyOpt = True,
+    dtype: HealDtypeOpt = "auto",
     device: DeviceOpt = "auto",
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
@@ -413,11 +482,10 @@ def heal(
 ):
     """Heal a pruned model by distilling its base's next-token distributions into it (forward KL)."""
     from prunetool.commands.heal import HealRequest, run_heal
-    from prunetool.placement import placement_from_options
 
-    request = HealRequest(placement=placement_from_options(device_map, max_memory, offload_dir),
-                          model=model, teacher=teacher, calib=calib, tokens=tokens, epochs=epochs, seq_len=seq_len, train=train,
-                          lora_rank=lora_rank, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
+    request = HealRequest(placement=placement_for(device_map, max_memory, offload_dir),
+                          model=model, teacher=teacher, calib=calib, tokens=tokens, epochs=epochs, seq_len=seq_len,
+                          train=train, lora_rank=lora_rank, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                           temperature=temperature, ce_weight=ce_weight, save_every=save_every, resume=resume,
                           output=output_dir, force=force, verify=verify, dtype=dtype, device=device,
                           trust_remote_code=trust_remote_code)
@@ -433,29 +501,35 @@ def heal(
               + ("; verified" if result["verification"] else "; not verified"), highlight=False, soft_wrap=True)
 
 
+# heads' own options
+OnlyLayersOpt = Annotated[Optional[str], typer.Option("--only-layers", help="Analyse only these layers: 0-based "
+                          "indices, e.g. 0,5,12 (default: all).")]
+HeadsSamplesOpt = Annotated[int, typer.Option("--samples", help="Number of calibration windows.")]
+HeadsKvBudgetOpt = Annotated[Optional[int], typer.Option("--kv-budget", help="Also write per-layer KV-cache budgets "
+                             "averaging this many tokens per layer: more where post-RoPE queries differ (TAPPA's rule).")]
+HeadsOutputOpt = Annotated[Optional[Path], typer.Option("--output-dir", help="Folder for heads.json, report.html "
+                           "with attention heatmaps, and kv_budget.json.")]
+
+
 @app.command()
 @handle_errors
 def heads(
     model: HeadsModelArg = None,
     calib: CalibOpt = None,
-    only_layers: Annotated[Optional[str], typer.Option("--only-layers", help="Analyse only these layers: 0-based "
-                           "indices, e.g. 0,5,12 (default: all).")] = None,
+    only_layers: OnlyLayersOpt = None,
     old_layers: OldLayersOpt = None,
-    samples: Annotated[int, typer.Option("--samples", help="Number of calibration windows.")] = 4,
+    samples: HeadsSamplesOpt = 4,
     seq_len: SeqLenOpt = 512,
-    kv_budget: Annotated[Optional[int], typer.Option("--kv-budget", help="Also write per-layer KV-cache budgets averaging "
-                         "this many tokens per layer: more where post-RoPE queries differ (TAPPA's rule).")] = None,
-    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", help="Folder for heads.json, report.html with "
-                          "attention heatmaps, and kv_budget.json.")] = None,
+    kv_budget: HeadsKvBudgetOpt = None,
+    output_dir: HeadsOutputOpt = None,
     old_output: OldOutputOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
+    force: ForceOpt = False,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadOpt = None,
-    low_memory: Annotated[bool, typer.Option("--low-memory", help="Never load the model: read one decoder layer at a "
-                          "time from the checkpoint (same profiles; needs cached or --calib text).")] = False,
+    low_memory: LowMemoryOpt = False,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
@@ -470,12 +544,9 @@ def heads(
 
         check_free_folder(output, force)
     from prunetool.commands.heads import run_heads
-    from prunetool.placement import placement_from_options
-    from prunetool.report import heads_summary, heads_table
+    from prunetool.output.report import heads_summary, heads_table
 
-    placement = placement_from_options(device_map, max_memory, offload_dir)
-    if placement is not None and low_memory:
-        raise OptionError("--low-memory never loads the model; --device-map places a loaded one: choose one")
+    placement = placement_for(device_map, max_memory, offload_dir, low_memory)
     started = time.perf_counter()
     report = run_heads(model, calib=calib, seq_len=seq_len, samples=samples, layers=layers, kv_budget=kv_budget,
                        dtype=dtype, device=device, trust_remote_code=trust_remote_code, console=err,
@@ -494,45 +565,62 @@ def heads(
               highlight=False)
 
 
+# eval's own options
+EvalModelsArg = Annotated[Optional[list[str]], typer.Argument(help="Models to evaluate (folders, hub ids, demo "
+                          "aliases); default: the current run's pruned model and its base.", show_default=False)]
+TasksOpt = Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated: wikitext, lambada_openai, "
+                     "arc_easy, arc_challenge, piqa, winogrande (local with --data-dir), hop_number, hop_name (or e.g. "
+                     "hop_name_512), heldout_ppl, needle, multikey (or e.g. needle_2048), or any lm-eval task (online).")]
+DataDirOpt = Annotated[Optional[Path], typer.Option("--data-dir", help="Folder with the local evaluation files "
+                       "(also PRUNETOOL_DATA_DIR); see docs/evaluation.md.")]
+LimitOpt = Annotated[Optional[int], typer.Option("--limit", help="First N documents per task (hop probes: N per "
+                     "length).")]
+FewshotOpt = Annotated[Optional[int], typer.Option("--num-fewshot", help="Few-shot examples for lm-eval tasks "
+                       "(hop probes carry their own four).")]
+EvalBatchOpt = Annotated[str, typer.Option("--batch-size", help="Requests per forward pass, or auto (on the CPU: "
+                         "what fits 4 GiB of logits at --max-length).")]
+MaxLengthOpt = Annotated[Optional[int], typer.Option("--max-length", help="Tokens per forward pass (default: "
+                         "2048, or the model's context if shorter).")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="hf (transformers, in this process) or vllm (lm-eval "
+                       "tasks through vLLM, which loads each checkpoint itself; needs vllm installed).")]
+TensorParallelOpt = Annotated[int, typer.Option("--tensor-parallel", help="vllm: GPUs per model replica.")]
+DataParallelOpt = Annotated[int, typer.Option("--data-parallel", help="vllm: model replicas (for hf, run lm-eval "
+                            "under `accelerate launch`: docs/evaluation.md).")]
+EvalKvBudgetOpt = Annotated[Optional[list[str]], typer.Option("--kv-budget", help="Also run the long-context tasks "
+                            "(default needle_1024, multikey_1024, hop_number_512, hop_name_512) on a compressed KV "
+                            "cache: uniform:B, pyramid:B, tappa:B, tappa-floor:B, tappa-cake:B (B tokens per layer on "
+                            "average) or a JSON file of per-layer budgets (heads --kv-budget writes one); repeat to "
+                            "compare.")]
+KvWindowOpt = Annotated[int, typer.Option("--kv-window", help="Prompt tokens at the end whose attention ranks what "
+                        "the cache keeps (SnapKV's observation window).")]
+EvalOutputOpt = Annotated[Optional[Path], typer.Option("--output-file", help="Write lm-eval's results for each model "
+                          "plus a prunetool section to this JSON file.")]
+
+
 @app.command("eval")
 @handle_errors
 def evaluate(
-    models: Annotated[Optional[list[str]], typer.Argument(help="Models to evaluate (folders, hub ids, demo aliases); "
-                                                              "default: the current run's pruned model and its base.",
-                                                        show_default=False)] = None,
-    tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated: wikitext, lambada_openai, arc_easy, "
-                     "arc_challenge, piqa, winogrande (local with --data-dir), hop_number, hop_name (or e.g. hop_name_512), "
-                     "heldout_ppl, needle, multikey (or e.g. needle_2048), or any lm-eval task (online).")] = None,
-    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Folder with the local evaluation files "
-                        "(also PRUNETOOL_DATA_DIR); see docs/evaluation.md.")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="First N documents per task (hop probes: N per length).")] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", help="Few-shot examples for lm-eval tasks "
-                           "(hop probes carry their own four).")] = None,
+    models: EvalModelsArg = None,
+    tasks: TasksOpt = None,
+    data_dir: DataDirOpt = None,
+    limit: LimitOpt = None,
+    num_fewshot: FewshotOpt = None,
     calib: CalibOpt = None,
     seq_len: SeqLenOpt = 512,
     samples: SamplesOpt = 16,
-    batch_size: Annotated[str, typer.Option("--batch-size", help="Requests per forward pass, or auto (on the CPU: "
-                          "what fits 4 GiB of logits at --max-length).")] = "auto",
-    max_length: Annotated[Optional[int], typer.Option("--max-length", help="Tokens per forward pass (default: "
-                          "2048, or the model's context if shorter).")] = None,
+    batch_size: EvalBatchOpt = "auto",
+    max_length: MaxLengthOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadOpt = None,
-    backend: Annotated[str, typer.Option("--backend", help="hf (transformers, in this process) or vllm (lm-eval "
-                       "tasks through vLLM, which loads each checkpoint itself; needs vllm installed).")] = "hf",
-    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", help="vllm: GPUs per model replica.")] = 1,
-    data_parallel: Annotated[int, typer.Option("--data-parallel", help="vllm: model replicas (for hf, run lm-eval "
-                             "under `accelerate launch`: docs/evaluation.md).")] = 1,
-    kv_budget: Annotated[Optional[list[str]], typer.Option("--kv-budget", help="Also run the long-context tasks "
-                         "(default needle_1024, multikey_1024, hop_number_512, hop_name_512) on a compressed KV cache: "
-                         "uniform:B, pyramid:B, tappa:B, tappa-floor:B, tappa-cake:B (B tokens per layer on average) or a JSON file "
-                         "of per-layer budgets (heads --kv-budget writes one); repeat to compare.")] = None,
-    kv_window: Annotated[int, typer.Option("--kv-window", help="Prompt tokens at the end whose attention ranks what "
-                         "the cache keeps (SnapKV's observation window).")] = 32,
-    output_file: Annotated[Optional[Path], typer.Option("--output-file", help="Write lm-eval's results for each model "
-                           "plus a prunetool section to this JSON file.")] = None,
+    backend: BackendOpt = "hf",
+    tensor_parallel: TensorParallelOpt = 1,
+    data_parallel: DataParallelOpt = 1,
+    kv_budget: EvalKvBudgetOpt = None,
+    kv_window: KvWindowOpt = 32,
+    output_file: EvalOutputOpt = None,
     old_output: OldOutputOpt = None,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
@@ -548,20 +636,23 @@ def evaluate(
     require_positive(seq_len=seq_len, samples=samples)
     output = one_of("--output-file", output_file, "--output", old_output)
     check_output_file(output, "--output-file")
-    from prunetool.checkpoint_io import write_json_atomic
     from prunetool.commands.eval import EvalRequest, jsonable, run_eval
-    from prunetool.placement import placement_from_options
-    from prunetool.report import eval_rows, eval_table, hop_table, long_context_table
-
-    placement = placement_from_options(device_map, max_memory, offload_dir)
 
     calibration = {"calib": calib, "seq_len": seq_len, "stride": seq_len, "samples": samples}
     request = EvalRequest(models=list(models or []), tasks=tasks, data_dir=data_dir, limit=limit,
                           num_fewshot=num_fewshot, batch_size=batch_size, max_length=max_length,
                           calibration=calibration, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                           backend=backend, tensor_parallel=tensor_parallel, data_parallel=data_parallel,
-                          placement=placement, kv_budgets=tuple(kv_budget or ()), kv_window=kv_window)
-    report = jsonable(run_eval(request, err))
+                          placement=placement_for(device_map, max_memory, offload_dir),
+                          kv_budgets=tuple(kv_budget or ()), kv_window=kv_window)
+    show_eval(jsonable(run_eval(request, err)), output, json_out)
+
+
+def show_eval(report: dict, output: Optional[Path], json_out: bool) -> None:
+    """Write and print eval's report: the task table, hop probes and long-context rows."""
+    from prunetool.checkpoint_io import write_json_atomic
+    from prunetool.output.report import eval_rows, eval_table, hop_table, long_context_table
+
     if output is not None:
         write_json_atomic(output, report)
     if json_out:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prunetool import calibration as cal
-from prunetool.calibration import CalibrationSet, load_calibration, load_presets, make_windows, parse_hf_spec
+from prunetool.select import calibration as cal
+from prunetool.select.calibration import CalibrationSet, load_calibration, load_presets, make_windows, parse_hf_spec
 from prunetool.errors import CalibrationError, OptionError
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

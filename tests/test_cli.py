@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from prunetool.cli import app
 from prunetool.errors import PrunetoolError
-from prunetool.runs import load_current_run
+from prunetool.output.runs import load_current_run
 
 runner = CliRunner()
 PROSE = "A small boat left the harbour at dawn, and the keeper counted the gulls on the pier. " * 40

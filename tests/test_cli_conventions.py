@@ -100,20 +100,20 @@ def test_both_spellings_at_once_are_refused(tiny_checkpoint, tmp_path):
 
 
 def test_score_drop_is_checked_before_loading(tiny_checkpoint, calib_file, monkeypatch):
-    import prunetool.loading
+    import prunetool.model.loading
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before --drop was checked")
 
-    monkeypatch.setattr(prunetool.loading, "load_model", no_loading)
+    monkeypatch.setattr(prunetool.model.loading, "load_model", no_loading)
     result = runner.invoke(app, ["score", str(tiny_checkpoint("llama")), "--calib", str(calib_file), "--drop", "6"])
     assert result.exit_code == 1 and "--drop 6 must be below the number of layers (6)" in result.stderr
 
 
 def test_score_output_file_that_is_a_folder_is_refused_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
-    import prunetool.loading
+    import prunetool.model.loading
 
-    monkeypatch.setattr(prunetool.loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(prunetool.model.loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     result = runner.invoke(app, ["score", str(tiny_checkpoint("llama")), "--output-file", str(tmp_path)])
     assert result.exit_code == 1 and "is a folder" in result.stderr
 
@@ -127,7 +127,7 @@ def test_prune_request_is_built_by_keyword():
 
 
 def test_score_and_prune_plots(tiny_checkpoint, calib_file, tmp_path):
-    from prunetool.plots import prune_figure
+    from prunetool.output.plots import prune_figure
 
     model = str(tiny_checkpoint("qwen2"))
     calib = ["--calib", str(calib_file), "--seq-len", "16", "--samples", "6"]
@@ -148,8 +148,8 @@ def test_score_and_prune_plots(tiny_checkpoint, calib_file, tmp_path):
 
 @pytest.mark.parametrize("name, words", [("plot.docx", ["docx"]), ("", ["folder"])])
 def test_bad_plot_target_is_refused_before_scoring(tiny_checkpoint, tmp_path, monkeypatch, name, words):
-    import prunetool.loading
+    import prunetool.model.loading
 
-    monkeypatch.setattr(prunetool.loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(prunetool.model.loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     result = runner.invoke(app, ["score", str(tiny_checkpoint("llama")), "--plot", str(tmp_path / name)])
     assert result.exit_code == 1 and all(word in result.stderr for word in words), result.stderr

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from prunetool import runner
-from prunetool.cut_engine import CutEngine, EngineUnsupported, screening_model
-from prunetool.runner import native_bfloat16
-from prunetool.in_memory import layers_removed
-from prunetool.perplexity import perplexity
+from prunetool.model import runner
+from prunetool.select.cut_engine import CutEngine, EngineUnsupported, screening_model
+from prunetool.model.runner import native_bfloat16
+from prunetool.model.in_memory import layers_removed
+from prunetool.model.perplexity import perplexity
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 
@@ -123,8 +123,8 @@ def test_no_screening_copy_for_16_bit_models_or_without_room(tiny_checkpoint, mo
 @pytest.mark.parametrize("alias,cut", [("smollm2-135m", (13, 14, 21)), ("gemma3-270m", (8, 9, 14))])
 def test_engine_equals_full_forwards_on_the_real_models(alias, cut, shared_data):
     """Real text (WikiText-2 windows), both demo models, float32: engine = plain forward of the same cut."""
-    from prunetool.calibration import load_calibration
-    from prunetool.loading import load_model
+    from prunetool.select.calibration import load_calibration
+    from prunetool.model.loading import load_model
     from prunetool.sources import resolve_model
 
     model, tokenizer = load_model(resolve_model(alias), dtype="float32", device="cpu")

@@ -17,7 +17,7 @@ from prunetool.cli import app
 from prunetool.errors import OptionError
 from prunetool.evaluation import hop
 from prunetool.evaluation.local_data import LOCAL_TASKS, arc_easy, piqa, wikitext_pages
-from prunetool.report import eval_rows
+from prunetool.output.report import eval_rows
 
 runner = CliRunner()
 WORDS = "river stone lamp winter harbour garden letter window candle market bridge thunder".split()

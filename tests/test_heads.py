@@ -18,7 +18,7 @@ from prunetool.kv.schedules import layer_budgets, parse_schedule, water_fill, wh
 from prunetool.heads.patterns import attention_profiles, classify, profile_rows
 from prunetool.heads.probe import probe_heads
 from prunetool.heads.rope import rope_angles
-from prunetool.scoring import score_model
+from prunetool.select.scoring import score_model
 from test_cli import assert_one_line_error, calib_file  # noqa: F401 (calib_file is a fixture)
 from tiny_models import ARCHITECTURES
 
@@ -129,7 +129,7 @@ def test_probe_matches_output_attentions_and_scores(arch, tiny_checkpoint):
         column, offset = attention_profiles(attentions[index], rows)
         assert torch.allclose(evidence.selected[index].column / 3, column.mean(0), atol=1e-5)
         assert torch.allclose(evidence.selected[index].offset / 3, offset.mean(0), atol=1e-5)
-    from prunetool.calibration import CalibrationSet
+    from prunetool.select.calibration import CalibrationSet
 
     scores = score_model(model, CalibrationSet("ids", "0" * 64, 48, 48, ids), model_name=arch)
     report = analyse(evidence, model=arch, calibration={}, kv_budget=4, caps=[48] * 6,

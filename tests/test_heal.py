@@ -12,7 +12,7 @@ from prunetool.cli import app
 from prunetool.commands import heal as heal_module
 from prunetool.commands.heal import HealRequest, repeated_windows, run_heal
 from prunetool.repair.distill import distill_loss, kl_loss, lr_factor, token_loss
-from prunetool.runs import load_current_run, record_current_run
+from prunetool.output.runs import load_current_run, record_current_run
 from test_prune_cli import assert_refused  # the one-line refusal check prune tests share
 from rich.console import Console
 

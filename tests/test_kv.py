@@ -369,7 +369,7 @@ def test_real_model_full_budget_matches_forward(name):
     """A 1k-token prompt (past Gemma 3's 512-token sliding window): the kept cache at full budget reproduces
     transformers' forward and generates the needle's value as the model does; a 64-token schedule keeps
     exactly its budget."""
-    from prunetool.loading import load_model
+    from prunetool.model.loading import load_model
     from prunetool.sources import resolve_model
 
     model, tokenizer = load_model(resolve_model(name), dtype="float32", device="cpu")

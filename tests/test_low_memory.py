@@ -10,14 +10,15 @@ import torch
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
-from prunetool.architecture import decoder_of
-from prunetool.calibration import load_calibration
+from prunetool.model.architecture import decoder_of
+from prunetool.select.calibration import load_calibration
 from prunetool.cli import app
-from prunetool.loading import load_model
-from prunetool.scoring import score_model
+from prunetool.model.loading import load_model
+from prunetool.select.scoring import score_model
 from prunetool.sources import resolve_model
 from prunetool.sources.tokenizer import FileTokenizer
-from prunetool.streaming import build_streamed, score_streamed
+from prunetool.select.scoring import score_streamed
+from prunetool.model.streaming import build_streamed
 from tests.tiny_models import ARCHITECTURES
 
 TEXT = ("A heron stood in the shallows while the tide turned; the ferry left at noon, late as always, and "

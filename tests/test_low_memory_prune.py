@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from prunetool.cli import app
 from prunetool.memory import memory_available_bytes
-from prunetool.runs import load_current_run
+from prunetool.output.runs import load_current_run
 from test_heal import calib_file  # noqa: F401
 from test_prune_cli import assert_refused
 from tiny_models import ARCHITECTURES

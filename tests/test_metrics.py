@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from prunetool.metrics import (
+from prunetool.model.metrics import (
     angular_distance_matrix,
     block_influence_per_window,
     mean_consecutive_cosine,

@@ -1,4 +1,4 @@
-"""`prune --patch` (issue 13, part 1): the fit, the fold, the written checkpoint, the records, bad inputs.
+"""`prune --patch`: the fit, the fold, the written checkpoint, the records, bad inputs.
 
 The reference for every architecture is computed here, independently of prunetool.repair: the base
 model's hidden states (output_hidden_states) and its MLP outputs (a hook of this file) give Y, M and
@@ -14,17 +14,17 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from prunetool.calibration import load_calibration
+from prunetool.select.calibration import load_calibration
 from prunetool.cli import app
 from prunetool.commands.prune import patch_warning
 from prunetool.errors import UnsupportedModelError
-from prunetool.in_memory import prune_in_memory
-from prunetool.plan import PrunePlan
+from prunetool.model.in_memory import prune_in_memory
+from prunetool.select.plan import PrunePlan
 from prunetool.repair.patch import (RIDGE, RIDGES, VALIDATE_EVERY, PatchStats, fit_through_norm, fold_down_proj,
                                     fold_embedding, identity_error, norm_relative_error, refine_cosine, relative_error,
                                     select_ridge, solve_patch)
 from prunetool.repair.sites import contiguous_runs
-from prunetool.surgery import write_pruned_checkpoint
+from prunetool.checkpoint.surgery import write_pruned_checkpoint
 from tiny_models import _CORPUS
 
 runner = CliRunner()
@@ -400,7 +400,7 @@ def test_surgery_refuses_bad_replacements(tiny_checkpoint, tmp_path):
 
 def test_patched_perplexities_equal_an_independent_fold_and_leave_the_model_as_it_was(tiny_checkpoint, calib_file):
     """Each cut's perplexity after its lstsq patch = a hand fold of torch.linalg.lstsq into a fresh copy."""
-    from prunetool.perplexity import perplexity
+    from prunetool.model.perplexity import perplexity
     from prunetool.repair.judge import patched_perplexities
 
     source = tiny_checkpoint("llama")
@@ -429,9 +429,9 @@ def test_patched_perplexities_equal_an_independent_fold_and_leave_the_model_as_i
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
 def test_halving_with_patch_chooses_the_proposal_best_after_repair(arch, tiny_checkpoint, calib_file):
     """Every proposal is re-measured patched (fit on the windows after the measuring ones); the lowest wins."""
-    from prunetool.ranking import SelectionRequest
+    from prunetool.select.ranking import SelectionRequest
     from prunetool.repair.judge import patched_perplexities
-    from prunetool.search import select_halving
+    from prunetool.select.search import select_halving
 
     source = tiny_checkpoint(arch)
     ids = windows(source, calib_file).input_ids

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from prunetool.cli import app
 from prunetool.errors import OptionError
-from prunetool.placement import Placement, parse_max_memory, placement_from_options
-from prunetool.runs import load_current_run
+from prunetool.model.placement import Placement, parse_max_memory, placement_from_options
+from prunetool.output.runs import load_current_run
 from test_heal import calib_file  # noqa: F401
 from test_prune_cli import assert_refused
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from prunetool import plots
+from prunetool.output import plots
 from prunetool.errors import MissingExtraError, OptionError
-from prunetool.plots import layers_text, plot_layer_scores, plot_prune
+from prunetool.output.plots import layers_text, plot_layer_scores, plot_prune
 
 LAYERS = 6
 
@@ -167,10 +167,10 @@ def test_layers_text():
 
 def test_real_scores_and_guided_plan(tmp_path, tiny_checkpoint):
     """The dicts the CLI has on hand: a tiny Llama's scores and a guided plan, both through JSON."""
-    from prunetool.calibration import load_calibration
-    from prunetool.loading import load_model
-    from prunetool.scoring import score_model
-    from prunetool.selection import make_plan
+    from prunetool.select.calibration import load_calibration
+    from prunetool.model.loading import load_model
+    from prunetool.select.scoring import score_model
+    from prunetool.select.selection import make_plan
     from prunetool.sources import resolve_model
 
     model, tokenizer = load_model(resolve_model(str(tiny_checkpoint("llama"))), dtype="float32", device="cpu")

@@ -7,9 +7,9 @@ import yaml
 from typer.testing import CliRunner
 
 from prunetool.cli import app
-from prunetool.exports import kept_ranges, model_card
-from prunetool.plan import PrunePlan
-from prunetool.runs import load_current_run
+from prunetool.checkpoint.exports import kept_ranges, model_card
+from prunetool.select.plan import PrunePlan
+from prunetool.output.runs import load_current_run
 
 runner = CliRunner()
 PROSE = ("The ferry crossed twice a day; in winter the harbour master logged ice, wind and the names of "
@@ -155,3 +155,33 @@ def test_model_card_says_relative_to_what_no_weights_changed(base, said):
     assert "not comparable with" in card and "fp16/bf16" in card
     for words in said:
         assert words in card
+
+
+@pytest.mark.parametrize("args", [
+    ["score", "{model}", "--drop", "99"],
+    ["prune", "{model}", "--drop", "99"],
+    ["prune", "{model}", "--remove-layers", "7"],
+    ["prune", "{model}", "--drop", "2", "--output-dir", "{busy}"],
+    ["heads", "{model}", "--only-layers", "99"],
+    ["heads", "{model}", "--kv-budget", "100000"],
+])
+def test_option_checks_come_before_any_model_loads(args, tiny_checkpoint, tmp_path, monkeypatch):
+    """Options checkable against the config and the file system fail before a weight is read."""
+    import prunetool.model.loading as loading
+    from prunetool.model import streaming
+
+    def no_load(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    monkeypatch.setattr(streaming, "build_streamed", no_load)
+    for module in ("prunetool.commands.prune", "prunetool.commands.score"):
+        monkeypatch.setattr(f"{module}.load_model", no_load, raising=False)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "file").write_text("x")
+    line = [arg.format(model=tiny_checkpoint("llama"), busy=busy) for arg in args]
+    result = runner.invoke(app, line)
+    assert result.exit_code == 1, result.output
+    assert "error:" in result.output and "AssertionError" not in result.output
+    assert len(result.output.strip().splitlines()) == 1

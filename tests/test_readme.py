@@ -12,17 +12,32 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def tree_entries() -> set[str]:
+def tree_entries() -> dict[str, set[str]]:
+    """{folder relative to prunetool/ ("" for the package itself): entries the tree names under it}; a
+    package the tree names without listing its files has no key."""
     tree = README[README.index("```text\nprunetool/\n"):]
     tree = tree[:tree.index("```", 8)]
-    return {match.group(1) for match in re.finditer(r"^  ([A-Za-z_]+(?:\.py|/))", tree, re.MULTILINE)}
+    entries: dict[str, set[str]] = {}
+    parents = [""]
+    for match in re.finditer(r"^((?:  ){1,4})([A-Za-z_]+(?:\.py|/))", tree, re.MULTILINE):
+        depth = len(match.group(1)) // 2
+        del parents[depth:]
+        entries.setdefault(parents[-1], set()).add(match.group(2))
+        parents.append(parents[-1] + match.group(2))
+    return entries
+
+
+def listing(folder: Path) -> set[str]:
+    names = {p.name for p in folder.glob("*.py") if not p.name.startswith("__")}
+    return names | {p.name + "/" for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
 
 
 def test_file_tree_names_every_module_and_package():
     package = ROOT / "prunetool"
-    present = {p.name for p in package.glob("*.py") if not p.name.startswith("__")}
-    present |= {p.name + "/" for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert tree_entries() == present
+    entries = tree_entries()
+    assert entries[""] == listing(package)
+    for folder, named in entries.items():  # a package whose files the tree lists lists all of them
+        assert named - {"__init__.py"} == listing(package / folder), folder
 
 
 def test_usage_names_every_command_and_documented_options_exist():

@@ -6,11 +6,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from prunetool.calibration import load_calibration
+from prunetool.select.calibration import load_calibration
 from prunetool.cli import app
 from prunetool.heads.patterns import PATTERNS, attention_profiles, profile_rows
 from prunetool.heads.probe import probe_heads
-from prunetool.loading import load_model
+from prunetool.model.loading import load_model
 from prunetool.sources import resolve_model
 
 pytestmark = pytest.mark.slow

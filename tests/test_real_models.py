@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from prunetool.calibration import load_calibration
-from prunetool.loading import load_model
-from prunetool.scoring import score_model
+from prunetool.select.calibration import load_calibration
+from prunetool.model.loading import load_model
+from prunetool.select.scoring import score_model
 from prunetool.sources import resolve_model
 from tests.reference import reference_scores
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("alias,layers,heads", [("smollm2-135m", 30, 9), ("gemma3-270m", 18, 4)])
 def test_real_model_scores_match_reference(alias, layers, heads, shared_data):
-    """The issue's acceptance run: wikitext-2, 4 windows of 256 tokens, against the Gram-matrix reference."""
+    """The q-similarity acceptance run: wikitext-2, 4 windows of 256 tokens, against the Gram-matrix reference."""
     model, tokenizer = load_model(resolve_model(alias), dtype="float32", device="cpu")
     calibration = load_calibration(str(shared_data / "wikitext2-test.raw"), tokenizer, seq_len=256, stride=256,
                                    samples=4)

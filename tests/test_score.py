@@ -4,11 +4,11 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from prunetool.architecture import inspect_decoder
-from prunetool.calibration import load_calibration
+from prunetool.model.architecture import inspect_decoder
+from prunetool.select.calibration import load_calibration
 from prunetool.errors import UnsupportedModelError
-from prunetool.loading import load_model
-from prunetool.scoring import score_model
+from prunetool.model.loading import load_model
+from prunetool.select.scoring import score_model
 from prunetool.sources import resolve_model
 from tests.reference import reference_scores
 from tests.tiny_models import ARCHITECTURES
@@ -86,7 +86,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_hooks_keep_only_reduced_tensors(tiny_checkpoint, calib_file):
     """Every kept tensor owns just its own bytes: a view of a hidden state would keep all of it alive."""
-    from prunetool.capture import capture_scores
+    from prunetool.model.capture import capture_scores
 
     model, tokenizer = _load(tiny_checkpoint("llama"))
     calibration = load_calibration(str(calib_file), tokenizer, seq_len=24, samples=2)

@@ -13,15 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import prunetool.perplexity as perplexity_module
-from prunetool.calibration import CalibrationSet
+import prunetool.model.perplexity as perplexity_module
+from prunetool.select.calibration import CalibrationSet
 from prunetool.errors import OptionError
-from prunetool.in_memory import layers_removed, prune_in_memory
-from prunetool.loading import load_model
-from prunetool.perplexity import perplexity
-from prunetool.scoring import Scores
-from prunetool.ranking import tappa_importance
-from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
+from prunetool.model.in_memory import layers_removed, prune_in_memory
+from prunetool.model.loading import load_model
+from prunetool.model.perplexity import perplexity
+from prunetool.select.scoring import Scores
+from prunetool.select.ranking import tappa_importance
+from prunetool.select.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
 from prunetool.sources import resolve_model
 from tests.tiny_models import ARCHITECTURES
 
@@ -335,7 +335,7 @@ def test_ppl_criterion_respects_protection(tiny_checkpoint):
 # ---------------------------------------------------------------- guided (the default)
 
 def test_rank01_ties_share_their_mean_rank():
-    from prunetool.metrics import rank01
+    from prunetool.model.metrics import rank01
 
     assert rank01(torch.tensor([3.0, 1.0, 2.0, 2.0, 10.0])).tolist() == [0.75, 0.0, 0.375, 0.375, 1.0]
     assert rank01(torch.tensor([5.0, 5.0, 5.0])).tolist() == [0.5, 0.5, 0.5]
@@ -345,7 +345,7 @@ def test_rank01_ties_share_their_mean_rank():
 
 
 def test_guided_importance_by_hand():
-    from prunetool.ranking import guided_importance
+    from prunetool.select.ranking import guided_importance
 
     bi, qsim = [0.9, 0.1, 0.2, 0.3], [0.5, 0.8, 0.6, 0.7]
     # rank01(bi) = [1, 0, 1/3, 2/3]; 1 - rank01(qsim) = [1, 0, 2/3, 1/3]
@@ -354,7 +354,7 @@ def test_guided_importance_by_hand():
 
 
 def test_contiguous_blocks_rank_by_summed_values_inside_bounds():
-    from prunetool.ranking import contiguous_blocks
+    from prunetool.select.ranking import contiguous_blocks
 
     values = [5.0, 1.0, 1.0, 4.0, 0.5, 0.5, 9.0]
     assert contiguous_blocks(values, 2, 0, 7, 3) == [(4, 5), (1, 2), (3, 4)]  # sums 1, 2, 4.5
@@ -406,13 +406,13 @@ def test_guided_chooses_the_best_measured_proposal(tiny_checkpoint):
 
 
 def test_guided_measures_each_set_once_with_a_shared_memo(tiny_checkpoint, monkeypatch):
-    from prunetool.ranking import SelectionRequest
-    from prunetool.search import select_guided
+    from prunetool.select.ranking import SelectionRequest
+    from prunetool.select.search import select_guided
 
     model = _load(tiny_checkpoint, "mistral")
     windows = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(2))
     scores = _scores(qsim=[0.2, 0.9, 0.8, 0.1, 0.6, 0.3], bi=[0.9, 0.1, 0.2, 0.5, 0.3, 0.7])
-    from prunetool import cut_engine
+    from prunetool.select import cut_engine
 
     calls, built = [], []
     real, engine_measure, engine_init = (perplexity_module.perplexity, cut_engine.CutEngine.perplexity_without,
@@ -440,10 +440,10 @@ def test_guided_options_are_checked(option, value, flag):
 
 def test_halving_matches_sleb_when_it_confirms_every_candidate_and_measures_what_it_reports(tiny_checkpoint):
     """With shortlist >= the candidates, halving's greedy path is SLEB's; every reported perplexity is real."""
-    from prunetool.cut_engine import screening_model
-    from prunetool.in_memory import layers_removed
-    from prunetool.ranking import SelectionRequest
-    from prunetool.search import select_halving, select_ppl
+    from prunetool.select.cut_engine import screening_model
+    from prunetool.model.in_memory import layers_removed
+    from prunetool.select.ranking import SelectionRequest
+    from prunetool.select.search import select_halving, select_ppl
 
     model = _load(tiny_checkpoint, "gemma3_text")
     windows = torch.randint(0, 300, (4, 12), generator=torch.Generator().manual_seed(3))
@@ -473,8 +473,8 @@ def test_halving_matches_sleb_when_it_confirms_every_candidate_and_measures_what
 
 
 def test_halving_screens_every_layer_once_then_round_ones_better_half(tiny_checkpoint, monkeypatch):
-    from prunetool import search
-    from prunetool.ranking import SelectionRequest
+    from prunetool.select import search
+    from prunetool.select.ranking import SelectionRequest
 
     model, _ = load_model(resolve_model(str(tiny_checkpoint("llama", num_layers=12))), dtype="float32", device="cpu")
     windows = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(5))
@@ -512,8 +512,8 @@ def test_halving_gives_up_on_hopeless_candidates_without_changing_its_choice(arc
     """Screening, confirmation and swaps stop measuring a candidate once it is certainly worse than what the
     search holds; everything the search returns (cut, values, proposals, swaps) equals a run that measures
     every candidate in full, and some windows were really skipped."""
-    from prunetool import cut_engine, search
-    from prunetool.ranking import SelectionRequest
+    from prunetool.select import cut_engine, search
+    from prunetool.select.ranking import SelectionRequest
 
     model, windows = _peaked_model_and_own_text(tiny_checkpoint, arch)
     request = dict(model=model, windows=windows, shortlist=2, refine_windows=4, screen_tokens=8, blocks=2)
@@ -538,8 +538,8 @@ def test_a_remembered_give_up_answers_only_callers_whose_limit_it_exceeds():
     measured again for one whose limit is above the bound."""
     from types import SimpleNamespace
 
-    from prunetool import search
-    from prunetool.ranking import SelectionRequest
+    from prunetool.select import search
+    from prunetool.select.ranking import SelectionRequest
 
     truth, calls = 10.0, []
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prunetool.cut_engine import CutEngine
-from prunetool.loading import load_model
-from prunetool.ranking import SelectionRequest
-from prunetool.search import select_halving, select_ppl
+from prunetool.select.cut_engine import CutEngine
+from prunetool.model.loading import load_model
+from prunetool.select.ranking import SelectionRequest
+from prunetool.select.search import select_halving, select_ppl
 from prunetool.sources import resolve_model
-from prunetool.streaming import build_streamed
+from prunetool.model.streaming import build_streamed
 from tiny_models import ARCHITECTURES
 
 CPU = torch.device("cpu")
@@ -23,7 +23,7 @@ def windows_for(tokenizer, count: int = 3, length: int = 24, seed: int = 0) -> t
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_streamed_engine_equals_the_in_memory_engine(arch, tiny_checkpoint, monkeypatch):
-    import prunetool.perplexity as module
+    import prunetool.model.perplexity as module
 
     monkeypatch.setattr(module, "LOGITS_BUDGET_BYTES", 4 * 3 * 23 * 40)  # several vocabulary blocks
     source = resolve_model(str(tiny_checkpoint(arch)))

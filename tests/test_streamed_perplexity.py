@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prunetool.in_memory import layers_removed
-from prunetool.loading import load_model
-from prunetool.perplexity import perplexity
+from prunetool.model.in_memory import layers_removed
+from prunetool.model.loading import load_model
+from prunetool.model.perplexity import perplexity
 from prunetool.sources import resolve_model
-from prunetool.streaming import streamed_perplexity
+from prunetool.model.streaming import streamed_perplexity
 from tiny_models import ARCHITECTURES
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("removed", [(), (1, 2), (0, 5)])
 def test_streamed_perplexity_equals_the_loaded_model(arch, removed, tiny_checkpoint, monkeypatch):
-    import prunetool.perplexity as module
+    import prunetool.model.perplexity as module
 
     monkeypatch.setattr(module, "LOGITS_BUDGET_BYTES", 4 * 3 * 31 * 40)  # several vocabulary blocks
     source = resolve_model(str(tiny_checkpoint(arch)))

@@ -22,10 +22,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prunetool.errors import OptionError, PrunetoolError, UnsupportedModelError
-from prunetool.plan import PrunePlan
-from prunetool.surgery import prune_config, write_pruned_checkpoint
-from prunetool.surgery import safetensors_io
-from prunetool.surgery.tensors import find_decoder_prefix
+from prunetool.select.plan import PrunePlan
+from prunetool.checkpoint.surgery import prune_config, write_pruned_checkpoint
+from prunetool.checkpoint.surgery import safetensors_io
+from prunetool.sources.weights import find_decoder_prefix
 from tiny_models import ARCHITECTURES
 
 DROP = (1, 3, 4)

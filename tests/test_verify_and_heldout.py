@@ -16,11 +16,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from prunetool.calibration import HOLDOUT_WINDOWS, SMALL_RUNG_UNIT, heldout_start, load_calibration
+from prunetool.select.calibration import HOLDOUT_WINDOWS, SMALL_RUNG_UNIT, heldout_start, load_calibration
 from prunetool.cli import app
 from test_prune_cli import assert_refused  # the one-line refusal check prune tests share
 from prunetool.errors import VerificationError
-from prunetool.verify import CACHE_LOGPROB_ATOL, PERPLEXITY_RTOL, PROMPT_TOKENS, VerifySetting, cached_logprob_gap, \
+from prunetool.checkpoint.verify import CACHE_LOGPROB_ATOL, PERPLEXITY_RTOL, PROMPT_TOKENS, VerifySetting, cached_logprob_gap, \
     greedy, verify_checkpoint
 
 runner = CliRunner()

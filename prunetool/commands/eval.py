@@ -30,11 +30,11 @@ from prunetool.evaluation.tasks import (
 )
 from prunetool.kv.schedules import parse_schedule
 from prunetool.kv.snapkv import WINDOW
-from prunetool.calibration import HOLDOUT_WINDOWS, load_calibration, recut_held_out
-from prunetool.in_memory import prune_in_memory
-from prunetool.loading import load_model
+from prunetool.select.calibration import HOLDOUT_WINDOWS, load_calibration, recut_held_out
+from prunetool.model.in_memory import prune_in_memory
+from prunetool.model.loading import load_model
 from prunetool.progress import window_progress
-from prunetool.runs import current_pruned
+from prunetool.output.runs import current_pruned
 from prunetool.sources import model_key, resolve_model
 
 DEFAULT_CALIBRATION = {"calib": None, "seq_len": 512, "stride": 512, "samples": 16}
@@ -190,8 +190,8 @@ def kv_schedules(request: EvalRequest, candidate: "Candidate", source) -> list:
         raise OptionError(f"{error} (model {candidate.label})") from None
 
 
-def run_eval(request: EvalRequest, console: Console) -> dict:
-    """Evaluate every candidate on every task; returns the report (also what --output writes)."""
+def check_eval_options(request: EvalRequest) -> None:
+    """Every option eval can check before resolving or loading a model."""
     if request.num_fewshot is not None and request.num_fewshot < 0:
         raise OptionError(f"--num-fewshot must be 0 or more, got {request.num_fewshot}")
     if request.limit is not None and request.limit < 1:
@@ -201,13 +201,18 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
     if request.batch_size != "auto" and not (request.batch_size.isdigit() and int(request.batch_size) >= 1):
         raise OptionError(f"--batch-size must be a positive integer or auto, got {request.batch_size!r}")
     check_backend(request)
+    if request.backend == "vllm" and request.placement is not None:
+        raise OptionError("--device-map places the hf backend's model; vLLM places its own (--tensor-parallel)")
+
+
+def run_eval(request: EvalRequest, console: Console) -> dict:
+    """Evaluate every candidate on every task; returns the report (also what --output writes)."""
+    check_eval_options(request)
     data_dir = data_dir_from(request.data_dir)
     names = split_names(request.tasks) or (list(DEFAULT_KV) if request.kv_budgets else default_task_names(data_dir))
     plans = kv_plans(plan_tasks(names, data_dir), request)
     chosen, pruning, calibration = candidates(request.models, request.calibration)
     if request.backend == "vllm":
-        if request.placement is not None:
-            raise OptionError("--device-map places the hf backend's model; vLLM places its own (--tensor-parallel)")
         check_vllm_plans(plans, chosen)
     sources = [resolve_model(c.spec, trust_remote_code=request.trust_remote_code) for c in chosen]
     schedules = [kv_schedules(request, candidate, source) for candidate, source in zip(chosen, sources)]
@@ -221,53 +226,12 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         model_clock = time.perf_counter()
         entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
         if request.backend == "vllm":
-            arguments = vllm_arguments(str(source.path), dtype=request.dtype, tensor_parallel=request.tensor_parallel,
-                                       data_parallel=request.data_parallel, batch_size=request.batch_size,
-                                       max_length=request.max_length, trust_remote_code=request.trust_remote_code)
-            entry["backend"] = {"name": "vllm"} | {k: v for k, v in arguments.items() if k != "pretrained"}
-            entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(
-                make_vllm_lm(arguments), plans, managers, limit=request.limit, num_fewshot=request.num_fewshot)
-            entry["seconds"] = time.perf_counter() - model_clock
-            models[candidate.label] = entry
-            gc.collect()
-            continue
-        model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
-                                      trust_remote_code=request.trust_remote_code, placement=request.placement)
-        if candidate.remove:
-            prune_in_memory(model, candidate.remove)
-            entry["removed_in_memory"] = list(candidate.remove)
-        held_out = None
-        if any(plan.kind == "heldout" for plan in plans):  # may generate calibration text: its own progress bar
-            held_out = heldout_windows(sources[0], model, tokenizer, calibration)
-        lm = None  # lm-eval's wrapper only when an lm-eval task runs (held-out and long-context tasks are ours)
-        if any(plan.kind not in OWN_KINDS for plan in plans):
-            lm = make_lm(model, tokenizer, request.batch_size, request.max_length)
-            entry["max_length"], entry["batch_size"] = lm.max_length, lm.batch_size
-        with window_progress(console) as progress:
-            bar = progress.add_task(candidate.label, total=len(plans))
-
-            def show(name: str, label=candidate.label):
-                progress.update(bar, description=f"{label}: {name}")
-
-            entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(
-                lm, plans, managers, limit=request.limit, num_fewshot=request.num_fewshot,
-                on_task=show, on_done=lambda name: progress.advance(bar))
-            if held_out is not None:
-                show(HELDOUT)
-                entry[HELDOUT] = heldout_perplexity(model, *held_out)
-                progress.advance(bar)
-            if long_tasks:
-                def document_done(task: str, number: int, total: int):
-                    show(f"{task} {number}/{total}")
-                    if number == total:
-                        progress.advance(bar)
-
-                entry["long_context"] = evaluate_long_context(
-                    model, tokenizer, long_tasks, model_schedules, window=request.kv_window, haystack=haystack[0],
-                    limit=request.limit, on_document=document_done) | {"haystack": haystack[1]}
+            entry |= evaluate_with_vllm(request, source, plans, managers)
+        else:
+            job = CandidateJob(candidate, source, sources[0], calibration, plans, long_tasks, model_schedules, haystack)
+            entry |= evaluate_loaded(request, job, managers, console)
         entry["seconds"] = time.perf_counter() - model_clock
         models[candidate.label] = entry
-        del lm, model, tokenizer
         gc.collect()
     return {
         "prunetool": {
@@ -287,6 +251,73 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         },
         "models": models,
     }
+
+
+def evaluate_with_vllm(request: EvalRequest, source, plans, managers) -> dict:
+    """lm-eval's tasks through vLLM, which loads the checkpoint itself."""
+    arguments = vllm_arguments(str(source.path), dtype=request.dtype, tensor_parallel=request.tensor_parallel,
+                               data_parallel=request.data_parallel, batch_size=request.batch_size,
+                               max_length=request.max_length, trust_remote_code=request.trust_remote_code)
+    entry = {"backend": {"name": "vllm"} | {k: v for k, v in arguments.items() if k != "pretrained"}}
+    entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(
+        make_vllm_lm(arguments), plans, managers, limit=request.limit, num_fewshot=request.num_fewshot)
+    return entry
+
+
+@dataclass
+class CandidateJob:
+    """What one candidate's hf evaluation needs besides the request."""
+
+    candidate: object
+    source: object
+    base_source: object  # held-out text is the base's (generated calibration text is cached under its key)
+    calibration: dict
+    plans: list
+    long_tasks: list
+    schedules: list
+    haystack: tuple | None
+
+
+def evaluate_loaded(request: EvalRequest, job: CandidateJob, managers, console: Console) -> dict:
+    """Load one candidate (pruned in memory where it is a cut of its base) and run every task on it."""
+    candidate, plans = job.candidate, job.plans
+    entry: dict = {}
+    model, tokenizer = load_model(job.source, dtype=request.dtype, device=request.device,
+                                  trust_remote_code=request.trust_remote_code, placement=request.placement)
+    if candidate.remove:
+        prune_in_memory(model, candidate.remove)
+        entry["removed_in_memory"] = list(candidate.remove)
+    held_out = None
+    if any(plan.kind == "heldout" for plan in plans):  # may generate calibration text: its own progress bar
+        held_out = heldout_windows(job.base_source, model, tokenizer, job.calibration)
+    lm = None  # lm-eval's wrapper only when an lm-eval task runs (held-out and long-context tasks are ours)
+    if any(plan.kind not in OWN_KINDS for plan in plans):
+        lm = make_lm(model, tokenizer, request.batch_size, request.max_length)
+        entry["max_length"], entry["batch_size"] = lm.max_length, lm.batch_size
+    with window_progress(console) as progress:
+        bar = progress.add_task(candidate.label, total=len(plans))
+
+        def show(name: str, label=candidate.label):
+            progress.update(bar, description=f"{label}: {name}")
+
+        entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(
+            lm, plans, managers, limit=request.limit, num_fewshot=request.num_fewshot,
+            on_task=show, on_done=lambda name: progress.advance(bar))
+        if held_out is not None:
+            show(HELDOUT)
+            entry[HELDOUT] = heldout_perplexity(model, *held_out)
+            progress.advance(bar)
+        if job.long_tasks:
+            def document_done(task: str, number: int, total: int):
+                show(f"{task} {number}/{total}")
+                if number == total:
+                    progress.advance(bar)
+
+            entry["long_context"] = evaluate_long_context(
+                model, tokenizer, job.long_tasks, job.schedules, window=request.kv_window, haystack=job.haystack[0],
+                limit=request.limit, on_document=document_done) | {"haystack": job.haystack[1]}
+    del lm, model, tokenizer
+    return entry
 
 
 def jsonable(report: dict) -> dict:

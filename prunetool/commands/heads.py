@@ -2,9 +2,9 @@
 
 from rich.console import Console
 
-from prunetool.calibration import load_calibration
+from prunetool.select.calibration import load_calibration
 from prunetool.progress import window_progress
-from prunetool.runs import current_model
+from prunetool.output.runs import current_model
 from prunetool.sources import model_key, resolve_model
 
 
@@ -24,6 +24,22 @@ def layer_caps(config, seq_len: int, num_layers: int) -> list[int]:
     return [min(seq_len, window) if sliding else seq_len for sliding in sliding_layers(config, num_layers)]
 
 
+def check_early(source, layers, kv_budget, seq_len: int, trust_remote_code: bool) -> None:
+    """--only-layers and --kv-budget against the config alone, before minutes of loading."""
+    from transformers import AutoConfig
+
+    from prunetool.heads.budget import check_kv_budget
+    from prunetool.select.selection import parse_layers
+
+    text_config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code).get_text_config(
+        decoder=True)
+    num_layers = text_config.num_hidden_layers
+    if layers:
+        parse_layers(layers, num_layers, allow_all=True, flag="--only-layers")
+    if kv_budget is not None:
+        check_kv_budget(kv_budget, layer_caps(text_config, seq_len, num_layers))
+
+
 def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device, trust_remote_code,
               console: Console, placement=None, low_memory: bool = False):
     """Probe every analysed layer's heads on calibration windows (eager attention) and build the report.
@@ -36,10 +52,11 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
     from prunetool.heads.analysis import analyse
     from prunetool.heads.budget import check_kv_budget
     from prunetool.heads.probe import probe_heads
-    from prunetool.loading import load_model
-    from prunetool.selection import parse_layers
+    from prunetool.model.loading import load_model
+    from prunetool.select.selection import parse_layers
 
     source = resolve_model(spec if spec is not None else current_model(), trust_remote_code=trust_remote_code)
+    check_early(source, layers, kv_budget, seq_len, trust_remote_code)
 
     def calibrate(tokenizer, model):
         return load_calibration(calib, tokenizer, seq_len=seq_len, stride=seq_len, samples=samples, model=model,
@@ -49,9 +66,9 @@ def run_heads(spec, *, calib, seq_len, samples, layers, kv_budget, dtype, device
 
     low_memory = use_low_memory(low_memory, placement, source.path, console)
     if low_memory:
-        from prunetool.loading import pick_device, pick_dtype
+        from prunetool.model.loading import pick_device, pick_dtype
         from prunetool.sources.tokenizer import FileTokenizer
-        from prunetool.streaming import build_streamed
+        from prunetool.model.streaming import build_streamed
 
         calibration = calibrate(FileTokenizer(source.path), None)
         target = pick_device(device)

@@ -27,16 +27,16 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from prunetool.architecture import decoder_of
-from prunetool.calibration import load_calibration, recut_held_out
+from prunetool.model.architecture import decoder_of
+from prunetool.select.calibration import load_calibration, recut_held_out
 from prunetool.checkpoint_io import remove_tree, write_json_atomic
 from prunetool.errors import CalibrationError, ModelSourceError, OptionError, PrunetoolError
-from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
-from prunetool.perplexity import perplexity
+from prunetool.model.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
+from prunetool.model.perplexity import perplexity
 from prunetool.progress import window_progress
-from prunetool.runs import current_pruned, current_run_path
+from prunetool.output.runs import current_pruned, current_run_path
 from prunetool.sources import model_key, resolve_model
-from prunetool.verify import VerifySetting, verify_checkpoint
+from prunetool.checkpoint.verify import VerifySetting, verify_checkpoint
 
 TRAIN_MODES = ("lora", "adjacent", "all")
 DEFAULT_LR = {"lora": 1e-3, "adjacent": 2e-5, "all": 2e-5}  # lora: bench/results/repair_heal_lr.json
@@ -228,9 +228,9 @@ def lora_adapters(peft_model) -> dict[str, dict]:
 
 def disk_names(folder: Path, model, names: list[str]) -> dict[str, tuple[str, torch.dtype]]:
     """Model parameter names -> (tensor name in the pruned folder, its dtype)."""
-    from prunetool.surgery import patched_tensor_names
-    from prunetool.surgery.safetensors_io import torch_dtype_of
-    from prunetool.surgery.tensors import read_weights
+    from prunetool.checkpoint.surgery import patched_tensor_names
+    from prunetool.checkpoint.surgery.safetensors_io import torch_dtype_of
+    from prunetool.sources.weights import read_weights
 
     decoder = decoder_of(model)
     relative_of = {id(p): name for name, p in decoder.named_parameters(remove_duplicate=False)}
@@ -292,11 +292,39 @@ def heal_paragraph(heal: dict) -> str:
             f"checkpoint.{rows}\n\nReproduce:\n\n```bash\n{heal['command']}\n```\n")
 
 
+def trained_tensors(model, student, train: str, folder: Path):
+    """(the student with LoRA merged, the adapters or None, {checkpoint name: trained tensor}); the student's
+    parameters are rounded to the checkpoint's dtype, which is what a reload of the written folder holds."""
+    adapters = None
+    if train == "lora":
+        adapters = lora_adapters(model)
+        names = [f"{name}.weight" for name in adapters]
+        student = model.merge_and_unload()
+    else:
+        names = [name for name, parameter in student.named_parameters() if parameter.requires_grad]
+    student.requires_grad_(False)
+    on_disk = disk_names(folder, student, names)
+    replacements = {}
+    parameters = dict(student.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            disk_name, disk_dtype = on_disk[name]
+            value = parameters[name].detach()
+            replacements[disk_name] = value.to("cpu", copy=True)
+            parameters[name].copy_(value.to(disk_dtype).to(parameters[name].dtype))  # what a reload will hold
+    return student, adapters, replacements
+
+
 def run_heal(request: HealRequest, console: Console) -> dict:
-    """Check, load, cut text, train, write, verify, record; returns what the CLI prints."""
+    """Check, load, cut text, train, write, verify, record; returns what the CLI prints.
+
+    Longer than 60 lines on purpose: one straight sequence of stages whose dozen shared values (windows,
+    held-out text, setting, fingerprint, the record) would otherwise be passed between helpers; the stages
+    that stand alone (student_folder, training_windows, prepare_student, trained_tensors) are functions.
+    """
     from prunetool.repair.train import TrainConfig, train
-    from prunetool.surgery import write_replaced_checkpoint
-    from prunetool.surgery.output import check_output
+    from prunetool.checkpoint.surgery import write_replaced_checkpoint
+    from prunetool.checkpoint.surgery.output import check_output
 
     check_options(request)
     folder, run = student_folder(request)
@@ -357,23 +385,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
                        save_every=request.save_every, resume=request.resume,
                        on_step=lambda step, loss: report_step(progress, task, step, loss))
     del teacher
-    adapters = None
-    if request.train == "lora":
-        adapters = lora_adapters(model)
-        names = [f"{name}.weight" for name in adapters]
-        student = model.merge_and_unload()
-    else:
-        names = [name for name, parameter in student.named_parameters() if parameter.requires_grad]
-    student.requires_grad_(False)
-    on_disk = disk_names(folder, student, names)
-    replacements = {}
-    parameters = dict(student.named_parameters())
-    with torch.no_grad():
-        for name in names:
-            disk_name, disk_dtype = on_disk[name]
-            value = parameters[name].detach()
-            replacements[disk_name] = value.to("cpu", copy=True)
-            parameters[name].copy_(value.to(disk_dtype).to(parameters[name].dtype))  # what a reload will hold
+    student, adapters, replacements = trained_tensors(model, student, request.train, folder)
     student.to(setting.dtype)
     after = perplexity(student, held_out)
     tokens = count * request.seq_len

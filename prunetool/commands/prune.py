@@ -10,7 +10,7 @@ the scores were computed on, and the first of which a perplexity search measures
 windows, which start at the first token after the last selection window (calibration.heldout_start).
 Both are recorded in prune.json.
 
-With --patch (issue 13) the stream also gives the patch windows: its first --patch-windows windows (by
+With --patch the stream also gives the patch windows: its first --patch-windows windows (by
 default as many as make repair.fit.DEFAULT_PATCH_TOKENS tokens; the selection windows are their first
 ones), and the held-out windows then start after whichever set reaches further, so they never overlap
 either. After the plain cut's perplexity is measured, one hooked pass of the unpruned model over the
@@ -29,24 +29,25 @@ from pathlib import Path
 
 from rich.console import Console
 
-from prunetool.calibration import HOLDOUT_WINDOWS, CalibrationSet, load_calibration
+from prunetool.select.calibration import HOLDOUT_WINDOWS, CalibrationSet, load_calibration
 from prunetool.checkpoint_io import text_num_layers, text_section
 from prunetool.errors import CalibrationError, OptionError
-from prunetool.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
-from prunetool.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
+from prunetool.checkpoint.exports import llamacpp_prune_layers, mergekit_yaml, model_card, prune_record
+from prunetool.model.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
 from prunetool.memory import peak_rss_bytes, use_low_memory
-from prunetool.runner import as_runner, cut_perplexity
-from prunetool.plan import PrunePlan
+from prunetool.model.runner import as_runner, cut_perplexity
+from prunetool.select.plan import PrunePlan
 from prunetool.progress import window_progress
-from prunetool.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS
-from prunetool.runs import current_scores, record_current_run
-from prunetool.scoring import Scores, score_model
-from prunetool.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
+from prunetool.select.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS
+from prunetool.output.runs import current_scores, record_current_run
+from prunetool.select.scoring import Scores, score_model
+from prunetool.select.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.demo import find_alias
 from prunetool.sources.tokenizer import FileTokenizer
-from prunetool.surgery import patched_tensor_names, write_pruned_checkpoint
-from prunetool.verify import VerifySetting, verify_checkpoint, verify_streamed
+from prunetool.checkpoint.surgery import patched_tensor_names, write_pruned_checkpoint
+from prunetool.checkpoint.surgery.output import check_output
+from prunetool.checkpoint.verify import VerifySetting, verify_checkpoint, verify_streamed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,8 +324,8 @@ def streamed_model(source, calibration: CalibrationSet, request: PruneRequest):
     """A StreamedModel whose embedding holds the rows every selection, patch and held-out window uses."""
     import torch
 
-    from prunetool.loading import pick_device, pick_dtype
-    from prunetool.streaming import build_streamed
+    from prunetool.model.loading import pick_device, pick_dtype
+    from prunetool.model.streaming import build_streamed
 
     target = pick_device(request.device)
     ids = calibration.input_ids.reshape(-1)
@@ -337,6 +338,35 @@ def base_model_name(source) -> str:
     """The Hub id where one is known (demo aliases record theirs), else what the user typed."""
     alias = find_alias(source.spec) if source.kind == "alias" else None
     return alias.hub_id if alias is not None else source.spec
+
+
+def load_for_prune(request: PruneRequest, start, source, low_memory: bool, selection: bool, console: Console):
+    """The model (loaded, or streamed under --low-memory), its windows and the verification setting."""
+    verifying = request.verify and not request.dry_run
+    patching = request.patch and not request.dry_run
+    clock = time.perf_counter()
+    if low_memory:
+        model, tokenizer = None, FileTokenizer(source.path)
+    else:
+        model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
+                                      trust_remote_code=request.trust_remote_code, placement=request.placement)
+    if patching and offloaded_to_disk(model):  # the fit writes into the kept weights, which sit on `meta`
+        raise OptionError("--patch needs every kept weight in memory; raise --max-memory so nothing is offloaded "
+                          "to disk, or prune first and patch on a larger machine")
+    # a criterion's windows are cut even when only recorded scores rank: the held-out text must start
+    # after the text those scores saw (and after the patch windows), and its sha256 is checked against theirs
+    patch_windows = patch_windows_for(request, start.calibration["seq_len"]) if patching else 0
+    calibration = load_windows(start, tokenizer, model, source, selection=selection,
+                               holdout=HOLDOUT_WINDOWS if verifying else 0, patch_windows=patch_windows,
+                               after_tokenizing=tokenizer.release if low_memory else None)
+    if low_memory:
+        model = streamed_model(source, calibration, request)
+    console.print(f"loaded the model and {calibration.windows} selection/patch + "
+                  f"{0 if calibration.held_out is None else len(calibration.held_out)} held-out windows in "
+                  f"{time.perf_counter() - clock:.1f}s", highlight=False)
+    target = pick_device(request.device)
+    setting = VerifySetting(pick_dtype(request.dtype, target), target) if verifying else None
+    return model, calibration, setting
 
 
 def run_prune(request: PruneRequest, console: Console) -> dict:
@@ -354,31 +384,13 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     patching = request.patch and not request.dry_run
     needs = None if manual is not None else CRITERIA[request.criterion].needs
     selects_on_windows = needs in ("model", "both") or (needs == "scores" and start.scores is None)
-    model = calibration = setting = None
+    if request.output is not None and not request.dry_run:  # before minutes of loading and searching
+        check_output(source.path, Path(request.output), request.force)
     low_memory = use_low_memory(request.low_memory, request.placement, source.path, console)
+    model = calibration = setting = None
     if verifying or selects_on_windows or patching:
-        clock = time.perf_counter()
-        if low_memory:
-            model, tokenizer = None, FileTokenizer(source.path)
-        else:
-            model, tokenizer = load_model(source, dtype=request.dtype, device=request.device,
-                                          trust_remote_code=request.trust_remote_code, placement=request.placement)
-        if patching and offloaded_to_disk(model):  # the fit writes into the kept weights, which sit on `meta`
-            raise OptionError("--patch needs every kept weight in memory; raise --max-memory so nothing is offloaded "
-                              "to disk, or prune first and patch on a larger machine")
-        # a criterion's windows are cut even when only recorded scores rank: the held-out text must start
-        # after the text those scores saw (and after the patch windows), and its sha256 is checked against theirs
-        patch_windows = patch_windows_for(request, start.calibration["seq_len"]) if patching else 0
-        calibration = load_windows(start, tokenizer, model, source, selection=manual is None,
-                                   holdout=HOLDOUT_WINDOWS if verifying else 0, patch_windows=patch_windows,
-                                   after_tokenizing=tokenizer.release if low_memory else None)
-        if low_memory:
-            model = streamed_model(source, calibration, request)
-        console.print(f"loaded the model and {calibration.windows} selection/patch + "
-                      f"{0 if calibration.held_out is None else len(calibration.held_out)} held-out windows in "
-                      f"{time.perf_counter() - clock:.1f}s", highlight=False)
-        target = pick_device(request.device)
-        setting = VerifySetting(pick_dtype(request.dtype, target), target) if verifying else None
+        model, calibration, setting = load_for_prune(request, start, source, low_memory, manual is None, console)
+    patch_windows = patch_windows_for(request, start.calibration["seq_len"]) if patching else 0
     scores = start.scores
     if manual is not None:
         plan = manual_plan(spec, manual, num_layers)
@@ -399,8 +411,7 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
             warning = patch_warning(perplexity_info["plain_cut"], patched)
             if warning:
                 console.print(warning, highlight=False, soft_wrap=True)
-    output = Path(request.output or default_output(spec, plan))
-    verification: dict = {}
+    output, verification = Path(request.output or default_output(spec, plan)), {}
 
     def check(folder: Path) -> None:
         verify = verify_streamed if low_memory else verify_checkpoint
@@ -413,9 +424,8 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
                                 extra_files=side_files(plan, source, perplexity_info, setting, patch),
                                 on_shard=lambda name: progress.advance(task),
                                 before_publish=check if verifying else None, replacements=replacements)
-    held_out = perplexity_info["held_out"] if perplexity_info else None
     pruned = {"path": str(output.resolve()), "removed": list(plan.removed), "criterion": plan.criterion,
-              "held_out": held_out}
+              "held_out": perplexity_info["held_out"] if perplexity_info else None}
     record_current_run(spec, source.path, scores.to_json() if scores is not None else None, start.calibration, pruned)
     return result | {"output": str(output), "perplexity": perplexity_info, "verification": verification or None,
                      "patch": patch, "low_memory": low_memory, "peak_rss_bytes": peak_rss_bytes()}

@@ -8,18 +8,18 @@ import time
 
 from rich.console import Console
 
-from prunetool.calibration import HOLDOUT_WINDOWS, load_calibration
+from prunetool.select.calibration import HOLDOUT_WINDOWS, load_calibration
 from prunetool.checkpoint_io import text_num_layers
 from prunetool.errors import OptionError
 from prunetool.progress import window_progress
-from prunetool.runs import record_current_run
+from prunetool.output.runs import record_current_run
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.tokenizer import FileTokenizer
 
 
 def warn_if_untested(model, console: Console):
     """Refuse unsupported models before any calibration work; warn on layouts matched by the generic rule."""
-    from prunetool.architecture import inspect_decoder
+    from prunetool.model.architecture import inspect_decoder
 
     layout = inspect_decoder(model)
     if not layout.tested:
@@ -49,7 +49,7 @@ def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_siz
     if low_memory:
         model, tokenizer = None, FileTokenizer(source.path)
     else:
-        from prunetool.loading import load_model
+        from prunetool.model.loading import load_model
 
         model, tokenizer = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                       placement=placement)
@@ -66,14 +66,14 @@ def run_score(spec, *, calib, seq_len, stride, samples, dtype, device, batch_siz
     with window_progress(console) as progress:
         task = progress.add_task("scoring windows", total=calibration.windows)
         if low_memory:
-            from prunetool.loading import pick_device, pick_dtype
-            from prunetool.streaming import score_streamed
+            from prunetool.model.loading import pick_device, pick_dtype
+            from prunetool.select.scoring import score_streamed
 
             target = pick_device(device)
             scores = score_streamed(source, calibration, model_name=source.spec, dtype=pick_dtype(dtype, target),
                                     device=target, batch_size=batch_size, on_batch=lambda n: progress.advance(task, n))
         else:
-            from prunetool.scoring import score_model
+            from prunetool.select.scoring import score_model
 
             scores = score_model(model, calibration, model_name=source.spec, batch_size=batch_size,
                                  on_batch=lambda n: progress.advance(task, n))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prunetool.architecture import inspect_decoder
+from prunetool.model.architecture import inspect_decoder
 from prunetool.evaluation.long_context import LongTask, documents_for
 from prunetool.kv import snapkv
 from prunetool.kv.schedules import Schedule, layer_budgets

@@ -75,7 +75,7 @@ def pick_batch_size(model, batch_size: str, max_length: int) -> int | str:
     float32 logits and their log-softmax); on accelerators lm-eval's own search, which catches OOM there."""
     if batch_size != "auto":
         return int(batch_size)
-    from prunetool.loading import input_device
+    from prunetool.model.loading import input_device
 
     if input_device(model).type != "cpu":
         return "auto"
@@ -177,7 +177,7 @@ def evaluate_tasks(lm, plans: list[TaskPlan], managers: TaskManagers, *, limit: 
 
 def heldout_perplexity(model, windows, description: str) -> dict:
     """Perplexity on calibration windows that selection never saw: an evaluation that needs no data folder."""
-    from prunetool.perplexity import perplexity
+    from prunetool.model.perplexity import perplexity
 
     started = time.perf_counter()
     value = perplexity(model, windows)

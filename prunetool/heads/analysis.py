@@ -17,8 +17,8 @@ from prunetool.heads.patterns import (
 from prunetool.heads.probe import HeadEvidence
 from prunetool.heads.rope import dominant_channels
 from prunetool.heads.swap import LABEL_MARGIN
-from prunetool.metrics import pearson, spearman
-from prunetool.scoring import summarise_taps
+from prunetool.model.metrics import pearson, spearman
+from prunetool.select.scoring import summarise_taps
 
 SWAP_LABELS = ("positional", "symbolic", "mixed")
 SEASONAL_LISTED = 0.05  # the report lists combs of diagonals that carry at least this share of attention

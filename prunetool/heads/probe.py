@@ -14,15 +14,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from prunetool.architecture import DecoderLayout, inspect_decoder
-from prunetool.capture import LayerTaps, attention_tap, capture_scores, check_complete
+from prunetool.model.architecture import DecoderLayout, inspect_decoder
+from prunetool.model.capture import LayerTaps, attention_tap, capture_scores, check_complete
 from prunetool.errors import UnsupportedModelError
 from prunetool.kv.schedules import RECENT_QUERIES
 from prunetool.heads.patterns import attention_profiles, profile_rows
 from prunetool.heads.rope import channel_norms, channel_thetas, rope_angles
 from prunetool.heads.swap import SwapTally, block_size, choose_swaps, swapped_states
-from prunetool.metrics import mean_pairwise_cosine
-from prunetool.loading import input_device
+from prunetool.model.metrics import mean_pairwise_cosine
+from prunetool.model.loading import input_device
 
 OVERVIEW = 128  # thumbnail of the whole map, average-pooled to at most this many pixels a side
 ZOOM = 64  # exact top-left corner: the first tokens, the sink column, short diagonals

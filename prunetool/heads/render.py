@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from prunetool.errors import MissingExtraError
-from prunetool.plots import new_figure, save_figure
+from prunetool.output.plots import new_figure, save_figure
 
 TYPE_COLOURS = {"re-access": "#4477aa", "sequential": "#ee6677", "seasonal": "#228833", "retrieval": "#bbbbbb"}
 SCORES = {"re-access": "re_access", "sequential": "sequential", "seasonal": "seasonal"}  # type -> pattern score

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from prunetool.architecture import inspect_decoder
+from prunetool.model.architecture import inspect_decoder
 from prunetool.kv.schedules import RECENT_QUERIES
-from prunetool.loading import input_device
-from prunetool.metrics import mean_pairwise_cosine
+from prunetool.model.loading import input_device
+from prunetool.model.metrics import mean_pairwise_cosine
 
 WINDOW = 32  # SnapKV's observation window
 POOL = 7  # SnapKV's pooling kernel

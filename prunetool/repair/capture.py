@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prunetool.architecture import decoder_of
-from prunetool.capture import _hidden_from, _output_tensor
+from prunetool.model.architecture import decoder_of
+from prunetool.model.capture import _hidden_from, _output_tensor
 from prunetool.repair.patch import CACHE_TOKENS, VALIDATE_EVERY, PatchStats
 from prunetool.repair.sites import PatchSite, post_mlp_norm
-from prunetool.loading import input_device
+from prunetool.model.loading import input_device
 
 
 class _Reached(Exception):
@@ -70,7 +70,7 @@ def capture_runs(model, windows: torch.Tensor, sites: list[PatchSite], objective
     """Run the unpruned `model` over `windows` (W, T) once; returns one RunData per site (skips included).
 
     `model` may be any ModelRunner: a layer-streamed one's hooks see each layer while it is loaded."""
-    from prunetool.runner import as_runner
+    from prunetool.model.runner import as_runner
 
     runner = as_runner(model)
     windows, model = runner.input_rows(windows), runner.model

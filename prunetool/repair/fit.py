@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prunetool.architecture import decoder_of
+from prunetool.model.architecture import decoder_of
 from prunetool.repair.capture import RunData
 from prunetool.repair.patch import (cosine_loss, fit_through_norm, fold_down_proj, fold_embedding, identity_error,
                                     norm_relative_error, refine_cosine, relative_error, select_ridge, solve_patch)
@@ -119,7 +119,7 @@ def fit_run(model, run: RunData, objective: str) -> RunPatch:
 def fit_runs(model, data: list[RunData], objective: str) -> list[RunPatch]:
     """One RunPatch per run. `model` may be any ModelRunner: a layer-streamed one (prune --low-memory) holds
     an absorbing layer's real weights only while its run is fitted."""
-    from prunetool.runner import as_runner
+    from prunetool.model.runner import as_runner
 
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown patch objective {objective!r}; expected one of {OBJECTIVES}")

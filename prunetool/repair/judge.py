@@ -16,7 +16,7 @@ import torch
 from prunetool.repair.capture import capture_runs
 from prunetool.repair.fit import fit_runs
 from prunetool.repair.sites import runner_sites
-from prunetool.runner import as_runner
+from prunetool.model.runner import as_runner
 
 
 def patched_perplexities(model, cuts: Iterable[Sequence[int]], fit_windows: torch.Tensor, judge_windows: torch.Tensor,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from prunetool.architecture import decoder_of
+from prunetool.model.architecture import decoder_of
 
 # Norms applied to the MLP output before the residual add, by attribute name on the decoder layer.
 POST_MLP_NORMS = ("post_feedforward_layernorm",)

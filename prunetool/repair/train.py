@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from prunetool.checkpoint_io import staged_folder
-from prunetool.loading import input_device
+from prunetool.model.loading import input_device
 from prunetool.errors import TrainingError
 from prunetool.repair.distill import distill_loss, lr_factor, warmup_steps
 

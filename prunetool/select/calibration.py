@@ -372,7 +372,7 @@ def _generate_batch(model, tokenizer, prompts: list[str], new_tokens: int, tick)
                               repetition_penalty=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               pad_token_id=pad, eos_token_id=eos)  # min_new_tokens: exact, predictable size
     with torch.inference_mode():
-        from prunetool.loading import input_device
+        from prunetool.model.loading import input_device
 
         device = input_device(model)
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
@@ -387,7 +387,7 @@ def generate_self_text(model, tokenizer, path: Path, rung: int, label: str) -> N
 
     prompts = self_prompts()
     new_tokens = math.ceil(rung * GEN_MARGIN / len(prompts))
-    from prunetool.loading import input_device
+    from prunetool.model.loading import input_device
 
     device = input_device(model)
     start = time.monotonic()

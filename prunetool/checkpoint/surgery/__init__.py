@@ -11,14 +11,15 @@ import shutil
 from pathlib import Path
 
 from prunetool.errors import OptionError
-from prunetool.plan import PrunePlan
-from prunetool.surgery.config import load_config, prune_config
-from prunetool.surgery.materialise import safetensors_folder
+from prunetool.select.plan import PrunePlan
+from prunetool.checkpoint.surgery.config import load_config, prune_config
+from prunetool.checkpoint.surgery.materialise import safetensors_folder
 from prunetool.checkpoint_io import staged_folder
-from prunetool.surgery.output import check_extra_names, check_output, copy_side_files, write_extra_files
-from prunetool.surgery.safetensors_io import torch_dtype_of
-from prunetool.surgery.tensors import (SAFETENSORS_INDEX, find_decoder_prefix, has_safetensors, read_weights, renamer,
-                                       source_tensors, write_weights)
+from prunetool.checkpoint.surgery.output import check_extra_names, check_output, copy_side_files, write_extra_files
+from prunetool.checkpoint.surgery.safetensors_io import torch_dtype_of
+from prunetool.sources.checks import SAFETENSORS_INDEX
+from prunetool.sources.weights import find_decoder_prefix, has_safetensors, read_weights
+from prunetool.checkpoint.surgery.tensors import renamer, source_tensors, write_weights
 
 __all__ = ["patched_tensor_names", "prune_config", "write_pruned_checkpoint", "write_replaced_checkpoint"]
 

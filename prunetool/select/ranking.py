@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from prunetool.errors import PrunetoolError
-from prunetool.metrics import minmax, rank01
+from prunetool.model.metrics import minmax, rank01
 
 if TYPE_CHECKING:
-    from prunetool.scoring import Scores
+    from prunetool.select.scoring import Scores
 
 TAPPA_BETA = 0.3  # the value TAPPA (Yang et al., arXiv:2601.21709) used for Llama-3.1-8B
 GUIDED_BETA = 0.3  # guided: TAPPA's published weight, now on ranks (bench/quality.py: 1.0 did worse on both models)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from prunetool.architecture import decoder_of
+from prunetool.model.architecture import decoder_of
 from prunetool.errors import VerificationError
-from prunetool.loading import quiet_transformers
-from prunetool.perplexity import perplexity
+from prunetool.model.loading import quiet_transformers
+from prunetool.model.perplexity import perplexity
 
 GENERATE_TOKENS = 16
 PROMPT_TOKENS = 24
@@ -139,7 +139,7 @@ def verify_streamed(folder: Path, *, expected_layers: int, held_out: torch.Tenso
     not run (the result says so)."""
     from types import SimpleNamespace
 
-    from prunetool.streaming import build_streamed
+    from prunetool.model.streaming import build_streamed
 
     probe = held_out if held_out is not None else torch.tensor([[1, 2, 3, 4]])
     try:

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prunetool.architecture import TESTED, decoder_of
+from prunetool.model.architecture import TESTED, decoder_of
 from prunetool.errors import OptionError
-from prunetool.loading import input_device
+from prunetool.model.loading import input_device
 
 LOGITS_BUDGET_BYTES = 256 * 2**20  # float32 logits at once: 256 tokens of a 262k vocabulary
 

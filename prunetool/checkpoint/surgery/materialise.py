@@ -11,7 +11,8 @@ from pathlib import Path
 
 from prunetool.errors import ModelSourceError
 from prunetool.checkpoint_io import hidden_sibling, remove_tree
-from prunetool.surgery.tensors import SAFETENSORS_INDEX, has_safetensors
+from prunetool.sources.checks import SAFETENSORS_INDEX
+from prunetool.sources.weights import has_safetensors
 
 
 @contextmanager

@@ -14,11 +14,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from prunetool.architecture import DecoderLayout
+from prunetool.model.architecture import DecoderLayout
 from prunetool.errors import UnsupportedModelError
-from prunetool.metrics import block_influence_per_window, mean_consecutive_cosine, mean_pairwise_cosine
+from prunetool.model.metrics import block_influence_per_window, mean_consecutive_cosine, mean_pairwise_cosine
 
 
 @dataclass
@@ -73,6 +72,8 @@ def attention_tap(layout: DecoderLayout, tap):
     Wraps the attention function registered for the model's implementation (eager included), so the
     tap sees exactly what the kernel received. Taps nest: leaving restores whatever was registered before.
     """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # here: importing it costs 1-2 s
+
     implementation = layout.attentions[0].config._attn_implementation or "eager"
     before = ALL_ATTENTION_FUNCTIONS.get(implementation)
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from prunetool.ranking import Selection, SelectionRequest, column, contiguous_blocks, guided_importance
+from prunetool.select.ranking import Selection, SelectionRequest, column, contiguous_blocks, guided_importance
 
 class _LowerBound(float):
     """A remembered measurement that gave up early: the set's perplexity is above this value."""
@@ -21,7 +21,7 @@ class _LowerBound(float):
 def _measure(req: SelectionRequest, windows: torch.Tensor, removed, engine=None, give_up_above: float = math.inf) -> float:
     """Calibration perplexity with `removed` gone (in memory); NaN counts as infinitely bad.
 
-    With an `engine` (prunetool.cut_engine), only the layers after the first layer that differs from its
+    With an `engine` (prunetool.select.cut_engine), only the layers after the first layer that differs from its
     current cut run; without one (an architecture it cannot replay), a full forward of the cut model.
     `give_up_above`: the caller only asks whether this set beats that value, so the engine may stop early;
     a result above it can be a lower bound.
@@ -60,7 +60,7 @@ class _LazyEngine:
 
     def get(self):
         if not self._built:
-            from prunetool.cut_engine import CutEngine, EngineUnsupported, screening_model
+            from prunetool.select.cut_engine import CutEngine, EngineUnsupported, screening_model
 
             self._built = True
             model = screening_model(self.req.model) if self.screening else self.req.model
@@ -81,7 +81,7 @@ class _LazyEngine:
 
 def _full_forward(req: SelectionRequest, windows: torch.Tensor, removed) -> float:
     """Perplexity of `windows` with `removed` gone, by a plain forward of the cut model (no engine)."""
-    from prunetool.runner import cut_perplexity
+    from prunetool.model.runner import cut_perplexity
 
     return cut_perplexity(req.model, windows, removed=sorted(removed), batch_size=req.batch_size)
 
@@ -213,7 +213,7 @@ def select_halving(req: SelectionRequest) -> Selection:
     `blocks` measured (removing neighbours together can cost less than greedy's one-at-a-time order
     finds), right after round one while the engines still hold the uncut model. The best proposal is
     then refined: a removed layer is swapped for a kept neighbour while that lowers the perplexity.
-    Both window sets are measured through the cut engine (prunetool.cut_engine), so a candidate runs
+    Both window sets are measured through the cut engine (prunetool.select.cut_engine), so a candidate runs
     only the layers after it; wherever only the lowest values count (later rounds' screening, the
     confirmations, the blocks' screening, the swaps) a candidate stops as soon as it is certainly worse
     than what the search holds, which leaves every choice and every reported value as full measurement

@@ -25,14 +25,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from prunetool.architecture import decoder_of
+from prunetool.model.architecture import decoder_of
 from prunetool.errors import UnsupportedModelError
-from prunetool.in_memory import layers_removed
+from prunetool.model.in_memory import layers_removed
 from prunetool.memory import return_freed_memory
-from prunetool import perplexity as windowed
-from prunetool.perplexity import perplexity_from_mean
-from prunetool.runner import SCREEN_DTYPE, ModelRunner, native_bfloat16
-from prunetool.surgery.tensors import find_decoder_prefix, read_weights
+from prunetool.model import perplexity as windowed
+from prunetool.model.perplexity import perplexity_from_mean
+from prunetool.model.runner import SCREEN_DTYPE, ModelRunner, native_bfloat16
+from prunetool.sources.weights import find_decoder_prefix, read_weights
 
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -334,19 +334,6 @@ def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, devic
         layer.register_forward_hook(lambda module, _args, _output: streamer.release(module))
     head_name = "lm_head.weight" if "lm_head.weight" in reader.entries else prefix + embed_name
     return StreamedModel(model, torch.searchsorted(used, input_ids), device, reader, head_name, used, streamer)
-
-
-def score_streamed(source, calibration, *, model_name: str, dtype: torch.dtype, device: torch.device,
-                   batch_size: int = 1, on_batch=None):
-    """Scores equal to `score_model` on the loaded model (to float rounding), with one layer in memory."""
-    from prunetool.scoring import score_model
-
-    streamed = build_streamed(source, calibration.input_ids, dtype=dtype, device=device)
-    renumbered = dataclasses.replace(calibration, input_ids=streamed.remapped_ids)
-    scores = score_model(streamed.model, renumbered, model_name=model_name, batch_size=batch_size,
-                         on_batch=on_batch, device=device, dtype=dtype)
-    scores.meta["low_memory"] = True
-    return scores
 
 
 def streamed_perplexity(source, windows: torch.Tensor, *, removed=(), dtype: torch.dtype, device: torch.device,

@@ -20,7 +20,7 @@ rest of its windows are never run.
 Memory: (L + 1) x W x T x d activations in the model's dtype (SmolLM2-135M, 16 x 512 windows: 0.6 GB in
 float32), plus one set of captured arguments per batch.
 
-`model` is any ModelRunner (prunetool.runner) or a loaded model. A layer-streamed one (prune --low-memory)
+`model` is any ModelRunner (prunetool.model.runner) or a loaded model. A layer-streamed one (prune --low-memory)
 loads its layers from the checkpoint when they are called, so the weights in memory are one layer's; its
 head is read in vocabulary blocks once per measurement, over the final states of all its windows together.
 """
@@ -32,9 +32,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from prunetool.architecture import TESTED
-from prunetool.perplexity import perplexity_from_mean
-from prunetool.runner import ModelRunner, as_runner
+from prunetool.model.architecture import TESTED
+from prunetool.model.perplexity import perplexity_from_mean
+from prunetool.model.runner import ModelRunner, as_runner
 
 SELF_CHECK_RTOL = 1e-5
 

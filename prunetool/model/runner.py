@@ -3,7 +3,7 @@ runs decoder layers", whether its weights are all in memory or streamed from dis
 
 Callers take a `ModelRunner` (or a plain transformers model, which `as_runner` wraps) and never ask which
 kind they hold: they ask what it can do. A loaded model (`LoadedModel`) keeps every weight in memory; the
-layer-streamed executor (prunetool.streaming.StreamedModel, prune --low-memory) loads each layer when it
+layer-streamed executor (prunetool.model.streaming.StreamedModel, prune --low-memory) loads each layer when it
 runs and reads its head from the checkpoint in vocabulary blocks.
 """
 
@@ -14,10 +14,10 @@ import contextlib
 import torch
 from torch import nn
 
-from prunetool.architecture import decoder_of
-from prunetool.in_memory import layers_removed
-from prunetool.loading import input_device
-from prunetool import perplexity as windowed  # by module: tests and benches patch its budget
+from prunetool.model.architecture import decoder_of
+from prunetool.model.in_memory import layers_removed
+from prunetool.model.loading import input_device
+from prunetool.model import perplexity as windowed  # by module: tests and benches patch its budget
 
 
 SCREEN_DTYPE = torch.bfloat16  # what halving's screening runs in where that is native (screening_copy)
@@ -68,7 +68,7 @@ class ModelRunner:
         return windowed._head_nll_sum(self.model, hidden, targets)
 
     def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1) -> float:
-        """prunetool.perplexity.perplexity() of the model with `removed` layers gone."""
+        """prunetool.model.perplexity.perplexity() of the model with `removed` layers gone."""
         raise NotImplementedError
 
     @contextlib.contextmanager

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from prunetool.errors import OptionError
-from prunetool.plan import PrunePlan
-from prunetool.ranking import (GUIDED_BETA, GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS,
+from prunetool.select.plan import PrunePlan
+from prunetool.select.ranking import (GUIDED_BETA, GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS,
                                SCREEN_DTYPES, TAPPA_BETA, Selection, SelectionRequest, select_angular, select_bi,
                                select_last, select_qsim, select_tappa)
-from prunetool.search import select_guided, select_halving, select_ppl
+from prunetool.select.search import select_guided, select_halving, select_ppl
 
 if TYPE_CHECKING:
-    from prunetool.calibration import CalibrationSet
-    from prunetool.scoring import Scores
+    from prunetool.select.calibration import CalibrationSet
+    from prunetool.select.scoring import Scores
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def _num_layers(scores: Scores | None, model, num_layers: int | None) -> int:
     if scores is not None:
         known["the scores"] = scores.num_layers
     if model is not None:
-        from prunetool.runner import as_runner
+        from prunetool.model.runner import as_runner
 
         known["the model"] = len(as_runner(model).layers)
     if num_layers is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from prunetool.architecture import decoder_of
+from prunetool.model.architecture import decoder_of
 from prunetool.errors import OptionError
 
 # Config lists holding layer *indices* rather than one entry per layer: remapped, never sliced.

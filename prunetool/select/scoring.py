@@ -1,19 +1,20 @@
 """Calibration windows -> per-layer and per-head scores, in one forward pass over the decoder stack."""
 
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from prunetool import __version__
-from prunetool.architecture import inspect_decoder
-from prunetool.capture import LayerTaps, capture_scores, check_complete
-from prunetool.metrics import angular_distance_matrix
-from prunetool.loading import input_device
+from prunetool.model.architecture import inspect_decoder
+from prunetool.model.capture import LayerTaps, capture_scores, check_complete
+from prunetool.model.metrics import angular_distance_matrix
+from prunetool.model.loading import input_device
 
 if TYPE_CHECKING:
-    from prunetool.calibration import CalibrationSet
+    from prunetool.select.calibration import CalibrationSet
 
 LAYER_METRICS = ("q_similarity", "q_similarity_post_rope", "q_similarity_lag1", "block_influence")
 
@@ -120,3 +121,16 @@ def score_model(
             "prunetool_version": __version__,
         },
     )
+
+
+def score_streamed(source, calibration, *, model_name: str, dtype: torch.dtype, device: torch.device,
+                   batch_size: int = 1, on_batch=None):
+    """Scores equal to `score_model` on the loaded model (to float rounding), with one layer in memory."""
+    from prunetool.model.streaming import build_streamed
+
+    streamed = build_streamed(source, calibration.input_ids, dtype=dtype, device=device)
+    renumbered = dataclasses.replace(calibration, input_ids=streamed.remapped_ids)
+    scores = score_model(streamed.model, renumbered, model_name=model_name, batch_size=batch_size,
+                         on_batch=on_batch, device=device, dtype=dtype)
+    scores.meta["low_memory"] = True
+    return scores

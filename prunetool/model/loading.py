@@ -6,7 +6,7 @@ import io
 import torch
 
 from prunetool.errors import ModelSourceError, OptionError
-from prunetool.placement import Placement
+from prunetool.model.placement import Placement
 from prunetool.sources import ModelSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,7 +8,7 @@ import json
 import time
 
 from prunetool import __version__
-from prunetool.plan import PrunePlan
+from prunetool.select.plan import PrunePlan
 from prunetool.sources.demo import find_alias
 
 
