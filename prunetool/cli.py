@@ -591,6 +591,9 @@ EvalKvBudgetOpt = Annotated[Optional[list[str]], typer.Option("--kv-budget", hel
                             "cache: uniform:B, pyramid:B, tappa:B, tappa-floor:B, tappa-cake:B (B tokens per layer on "
                             "average) or a JSON file of per-layer budgets (heads --kv-budget writes one); repeat to "
                             "compare.")]
+EfficiencyOpt = Annotated[bool, typer.Option("--efficiency/--no-efficiency", help="Also measure each model's "
+                          "parameters, KV-cache bytes per token, prefill and decode tokens/s and peak memory (hf "
+                          "backend, batch 1, median of 3).")]
 KvWindowOpt = Annotated[int, typer.Option("--kv-window", help="Prompt tokens at the end whose attention ranks what "
                         "the cache keeps (SnapKV's observation window).")]
 EvalOutputOpt = Annotated[Optional[Path], typer.Option("--output-file", help="Write lm-eval's results for each model "
@@ -620,6 +623,7 @@ def evaluate(
     data_parallel: DataParallelOpt = 1,
     kv_budget: EvalKvBudgetOpt = None,
     kv_window: KvWindowOpt = 32,
+    efficiency: EfficiencyOpt = True,
     output_file: EvalOutputOpt = None,
     old_output: OldOutputOpt = None,
     json_out: JsonOpt = False,
@@ -644,14 +648,14 @@ def evaluate(
                           calibration=calibration, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                           backend=backend, tensor_parallel=tensor_parallel, data_parallel=data_parallel,
                           placement=placement_for(device_map, max_memory, offload_dir),
-                          kv_budgets=tuple(kv_budget or ()), kv_window=kv_window)
+                          kv_budgets=tuple(kv_budget or ()), kv_window=kv_window, efficiency=efficiency)
     show_eval(jsonable(run_eval(request, err)), output, json_out)
 
 
 def show_eval(report: dict, output: Optional[Path], json_out: bool) -> None:
     """Write and print eval's report: the task table, hop probes and long-context rows."""
     from prunetool.checkpoint_io import write_json_atomic
-    from prunetool.output.report import eval_rows, eval_table, hop_table, long_context_table
+    from prunetool.output.report import efficiency_table, eval_rows, eval_table, hop_table, long_context_table
 
     if output is not None:
         write_json_atomic(output, report)
@@ -660,7 +664,7 @@ def show_eval(report: dict, output: Optional[Path], json_out: bool) -> None:
     else:
         if eval_rows(report):
             out.print(eval_table(report))
-        for extra in (hop_table(report), long_context_table(report)):
+        for extra in (hop_table(report), long_context_table(report), efficiency_table(report)):
             if extra is not None:
                 out.print(extra)
     err.print(f"time: {report['prunetool']['seconds']:.1f}s" + (f"; results written to {output}" if output else ""),

@@ -23,6 +23,7 @@ from prunetool.errors import OptionError
 from prunetool.evaluation.runner import (
     BACKENDS, OWN_KINDS, TaskManagers, evaluate_tasks, heldout_perplexity, make_lm, make_vllm_lm, vllm_arguments,
 )
+from prunetool.evaluation.efficiency import measure_efficiency, relative_to
 from prunetool.evaluation.kv_eval import evaluate_long_context
 from prunetool.evaluation.long_context import load_haystack, parse_name
 from prunetool.evaluation.tasks import (
@@ -59,6 +60,7 @@ class EvalRequest:
     placement: object = None  # loading.Placement: hf backend spread over devices by accelerate
     kv_budgets: tuple[str, ...] = ()  # schedules: long-context tasks also run on compressed KV caches
     kv_window: int = WINDOW  # SnapKV's observation window
+    efficiency: bool = True  # measure parameters, KV bytes per token, prefill/decode speed per model (hf)
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,7 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         entry["seconds"] = time.perf_counter() - model_clock
         models[candidate.label] = entry
         gc.collect()
+    add_relative_efficiency(models)
     return {
         "prunetool": {
             "version": __version__,
@@ -251,6 +254,14 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
         },
         "models": models,
     }
+
+
+def add_relative_efficiency(models: dict[str, dict]) -> None:
+    """Each model's efficiency also relative to the base's, where eval measured the base."""
+    base = next((entry.get("efficiency") for entry in models.values() if entry.get("role") == "base"), None)
+    for entry in models.values():
+        if base and entry.get("efficiency"):
+            entry["efficiency"]["relative_to_base"] = relative_to(base, entry["efficiency"])
 
 
 def evaluate_with_vllm(request: EvalRequest, source, plans, managers) -> dict:
@@ -316,6 +327,9 @@ def evaluate_loaded(request: EvalRequest, job: CandidateJob, managers, console: 
             entry["long_context"] = evaluate_long_context(
                 model, tokenizer, job.long_tasks, job.schedules, window=request.kv_window, haystack=job.haystack[0],
                 limit=request.limit, on_document=document_done) | {"haystack": job.haystack[1]}
+        if request.efficiency:
+            show("efficiency")
+            entry["efficiency"] = measure_efficiency(model)
     del lm, model, tokenizer
     return entry
 

@@ -41,7 +41,8 @@ from prunetool.progress import window_progress
 from prunetool.select.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS
 from prunetool.output.runs import current_scores, record_current_run
 from prunetool.select.scoring import Scores, score_model
-from prunetool.select.selection import CRITERIA, make_plan, manual_plan, parse_layers, validate_selection
+from prunetool.select.selection import (CRITERIA, SUBLAYER_UNITS, make_plan, manual_plan, parse_layers,
+                                        validate_selection)
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.demo import find_alias
 from prunetool.sources.tokenizer import FileTokenizer
@@ -85,6 +86,7 @@ class PruneRequest:
     patch: bool = False
     patch_objective: str | None = None  # None: prunetool.repair.fit.DEFAULT_OBJECTIVE
     patch_windows: int | None = None  # None: patch_windows_for(seq_len)
+    unit: str = "block"  # what --drop and --remove-layers count: layers, or attention or MLP sublayers
 
 
 @dataclass(frozen=True)
@@ -134,17 +136,28 @@ def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | N
     """Fail on any bad option before loading anything; returns the --layers indices when given."""
     if (request.drop is None) == (request.layers is None):
         raise OptionError("give exactly one of --drop N or --remove-layers 3,7,12")
+    if request.unit not in SUBLAYER_UNITS:
+        raise OptionError(f"--unit must be one of {', '.join(SUBLAYER_UNITS)}, got {request.unit!r}")
     if request.layers is not None:
-        return parse_layers(request.layers, num_layers)
+        removed = parse_layers(request.layers, num_layers, allow_all=request.unit != "block")
+        if request.unit == "attention" and len(removed) >= num_layers:
+            raise OptionError(f"--remove-layers names all {num_layers} attention sublayers; at least one must stay")
+        return removed
     validate_selection(request.criterion, request.drop, num_layers, beta=request.beta,
                        protect_first=request.protect_first, protect_last=request.protect_last,
                        shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
-                       screen_tokens=request.screen_tokens, screen_dtype=request.screen_dtype)
+                       screen_tokens=request.screen_tokens, screen_dtype=request.screen_dtype, unit=request.unit)
     return None
 
 
 def check_patch_options(request: PruneRequest) -> None:
     from prunetool.repair.fit import OBJECTIVES
+
+    if request.patch and request.unit != "block":
+        raise OptionError(f"--unit {request.unit} --patch: no fold exists for a removed {request.unit} sublayer (its "
+                          "output is not a linear map of the stream that a kept weight could absorb"
+                          + (", and attention mixes other tokens" if request.unit == "attention" else "")
+                          + "); prune without --patch and heal instead")
 
     if request.patch_objective is not None and request.patch_objective not in OBJECTIVES:
         raise OptionError(f"--patch-objective must be one of {', '.join(OBJECTIVES)}, got {request.patch_objective!r}")
@@ -213,6 +226,7 @@ def choose(request, spec, scores, model, calibration, console: Console) -> tuple
                          shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
                          screen_tokens=request.screen_tokens, screen_dtype=request.screen_dtype,
                          patch_objective=(request.patch_objective or DEFAULT_OBJECTIVE) if request.patch else None,
+                         unit=request.unit,
                          on_step=lambda done, total: progress.update(search, completed=done, total=total))
     return plan, scores
 
@@ -228,7 +242,7 @@ def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> d
     after = (f"that follow the {held['after_windows']} selection windows, from token {held['first_token']}"
              if held["after_windows"] else f"from token {held['first_token']} (no selection windows: --layers)")
     before = cut_perplexity(model, calibration.held_out)
-    pruned = cut_perplexity(model, calibration.held_out, removed=plan.removed)
+    pruned = cut_perplexity(model, calibration.held_out, removed=plan.removed, unit=plan.unit)
     return {"before": before, "after": pruned, "held_out": held,
             "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
 
@@ -393,7 +407,7 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     patch_windows = patch_windows_for(request, start.calibration["seq_len"]) if patching else 0
     scores = start.scores
     if manual is not None:
-        plan = manual_plan(spec, manual, num_layers)
+        plan = manual_plan(spec, manual, num_layers, unit=request.unit)
     else:
         selection = calibration.first(min(start.calibration["samples"], calibration.windows))
         plan, scores = choose(request, spec, scores, model, selection, console)

@@ -16,6 +16,7 @@ from torch import nn
 
 from prunetool.model.architecture import decoder_of
 from prunetool.model.in_memory import layers_removed
+from prunetool.model.sublayers import sublayers_removed
 from prunetool.model.loading import input_device
 from prunetool.model import perplexity as windowed  # by module: tests and benches patch its budget
 
@@ -67,8 +68,9 @@ class ModelRunner:
         """Summed NLL of `targets` (N,) under the LM head applied to normed `hidden` (N, d)."""
         return windowed._head_nll_sum(self.model, hidden, targets)
 
-    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1) -> float:
-        """prunetool.model.perplexity.perplexity() of the model with `removed` layers gone."""
+    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1, unit: str = "block") -> float:
+        """model.perplexity.perplexity() of the model with `removed` layers (or, for unit attention or mlp,
+        those layers' sublayers) gone."""
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -100,8 +102,8 @@ class LoadedModel(ModelRunner):
     def device(self) -> torch.device:
         return input_device(self.model)
 
-    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1) -> float:
-        with layers_removed(self.model, removed):
+    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1, unit: str = "block") -> float:
+        with removed_units(self.model, removed, unit):
             return windowed.perplexity(self.model, windows, batch_size=batch_size)
 
     def replace_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -166,11 +168,16 @@ def bfloat16_copy(model: nn.Module) -> nn.Module:
     return low.eval()
 
 
+def removed_units(model: nn.Module, removed, unit: str = "block"):
+    """The context that removes `removed` units: whole layers, or their attention or MLP sublayers."""
+    return layers_removed(model, removed) if unit == "block" else sublayers_removed(model, removed, unit)
+
+
 def as_runner(model) -> ModelRunner:
     """The runner for `model`: itself when it already is one, else a LoadedModel around the nn.Module."""
     return model if isinstance(model, ModelRunner) else LoadedModel(model)
 
 
-def cut_perplexity(model, windows: torch.Tensor, *, removed=(), batch_size: int = 1) -> float:
-    """perplexity() with `removed` layers gone, for a loaded model or any ModelRunner."""
-    return as_runner(model).perplexity(windows, removed=removed, batch_size=batch_size)
+def cut_perplexity(model, windows: torch.Tensor, *, removed=(), batch_size: int = 1, unit: str = "block") -> float:
+    """perplexity() with `removed` units gone, for a loaded model or any ModelRunner."""
+    return as_runner(model).perplexity(windows, removed=removed, batch_size=batch_size, unit=unit)

@@ -27,11 +27,10 @@ from torch import nn
 
 from prunetool.model.architecture import decoder_of
 from prunetool.errors import UnsupportedModelError
-from prunetool.model.in_memory import layers_removed
 from prunetool.memory import return_freed_memory
 from prunetool.model import perplexity as windowed
 from prunetool.model.perplexity import perplexity_from_mean
-from prunetool.model.runner import SCREEN_DTYPE, ModelRunner, native_bfloat16
+from prunetool.model.runner import SCREEN_DTYPE, ModelRunner, native_bfloat16, removed_units
 from prunetool.sources.weights import find_decoder_prefix, read_weights
 
 
@@ -269,12 +268,12 @@ class StreamedModel(ModelRunner):
                 target_logit[inside] = logits[inside, targets[inside] - first]
         return (log_total - target_logit).double().sum().item()
 
-    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1) -> float:
+    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1, unit: str = "block") -> float:
         """`perplexity()` of the model with `removed` layers gone, one decoder layer in memory at a time;
         the head runs once over the final hidden states of all windows (so it is read once)."""
         hidden = []
         inputs = self.remap(windows)
-        with torch.inference_mode(), layers_removed(self.model, removed):
+        with torch.inference_mode(), removed_units(self.model, removed, unit):
             for start in range(0, windows.shape[0], batch_size):
                 batch = inputs[start:start + batch_size].to(self.device)
                 states = decoder_of(self.model)(input_ids=batch, use_cache=False).last_hidden_state

@@ -145,6 +145,33 @@ def eval_table(report: dict) -> Table:
     return table
 
 
+def efficiency_table(report: dict) -> Table | None:
+    """What each model costs to run: parameters, KV bytes per token, speeds, peak memory (x base)."""
+    rows = {label: entry["efficiency"] for label, entry in report["models"].items() if entry.get("efficiency")}
+    if not rows:
+        return None
+    setting = next(iter(rows.values()))["setting"]
+    table = Table(title=f"efficiency on {setting['device']} ({setting['dtype']}, batch {setting['batch']}, median of "
+                        f"{setting['repeats']}; prefill {setting['prefill_tokens']} tokens, decode "
+                        f"{setting['decode_tokens']} after {setting['decode_prompt_tokens']})",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    columns = (("parameters", "parameters", "{:,.0f}"), ("kv_cache_bytes_per_token", "KV bytes/token", "{:,.0f}"),
+               ("prefill_tokens_per_second", "prefill tok/s", "{:,.0f}"),
+               ("decode_tokens_per_second", "decode tok/s", "{:,.1f}"), ("peak_memory_bytes", "peak MiB", None))
+    table.add_column("model")
+    for _, title, _ in columns:
+        table.add_column(title, justify="right")
+    for label, row in rows.items():
+        relative = row.get("relative_to_base") or {}
+        cells = []
+        for key, _, form in columns:
+            value = row[key] / 2**20 if form is None else row[key]
+            text = f"{value:,.0f}" if form is None else form.format(value)
+            cells.append(text + (f" ({relative[key]:.2f}x)" if key in relative and row is not rows.get("base") else ""))
+        table.add_row(label, *cells)
+    return table
+
+
 def hop_table(report: dict) -> Table | None:
     """Hop-probe accuracy against context length: one row per probe and model, one column per length."""
     from prunetool.evaluation.hop import parse_task_name

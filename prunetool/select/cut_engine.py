@@ -35,6 +35,7 @@ import torch
 from prunetool.model.architecture import TESTED
 from prunetool.model.perplexity import perplexity_from_mean
 from prunetool.model.runner import ModelRunner, as_runner
+from prunetool.model.sublayers import check_sublayer_layout, check_unit, sublayer_skipped
 
 SELF_CHECK_RTOL = 1e-5
 
@@ -50,13 +51,17 @@ def _layer_output(output):
 class CutEngine:
     """Calibration perplexity of `current cut + extra layers`, reusing the shared prefix of every candidate."""
 
-    def __init__(self, model, windows: torch.Tensor, *, batch_size: int = 1, self_check: bool = True):
-        self.runner = as_runner(model)
+    def __init__(self, model, windows: torch.Tensor, *, batch_size: int = 1, self_check: bool = True,
+                 unit: str = "block"):
+        self.runner, self.unit = as_runner(model), check_unit(unit)
         if self.runner.config.model_type not in TESTED:
             raise EngineUnsupported(f"no layer-by-layer path for model type {self.runner.config.model_type!r}")
         self.model, self.batch_size = self.runner.model, max(1, batch_size)
         self.decoder = self.runner.decoder
         self.layers = list(self.runner.layers)
+        if unit != "block":
+            for layer in self.layers:
+                check_sublayer_layout(layer, unit)
         self.device = self.runner.device  # the embedding's device
         inputs = self.runner.input_rows(windows)  # embedding rows
         self.batches = [inputs[start:start + self.batch_size].to(self.device, torch.long)
@@ -117,12 +122,20 @@ class CutEngine:
                 handle.remove()
         return arguments, inputs, output
 
+    def _layer(self, batch: int, index: int, hidden: torch.Tensor, skip: set[int]) -> torch.Tensor:
+        """Layer `index` on `hidden`: skipped whole, run with its `unit` sublayer skipped, or run."""
+        if index not in skip:
+            return _layer_output(self.layers[index](hidden, **self.kwargs[batch][index]))
+        if self.unit == "block":
+            return hidden
+        with sublayer_skipped(self.layers[index], self.unit):
+            return _layer_output(self.layers[index](hidden, **self.kwargs[batch][index]))
+
     def _run(self, batch: int, start: int, skip: set[int]) -> torch.Tensor:
         """The output of the last layer, starting from the cached input of layer `start`, skipping `skip`."""
         hidden = self.states[batch][start]
         for index in range(start, len(self.layers)):
-            if index not in skip:
-                hidden = _layer_output(self.layers[index](hidden, **self.kwargs[batch][index]))
+            hidden = self._layer(batch, index, hidden, skip)
         return hidden
 
     def _normed(self, last: torch.Tensor) -> torch.Tensor:
@@ -145,8 +158,8 @@ class CutEngine:
         """
         extra = set(extra) - set(self.removed)
         skip = set(self.removed) | extra
-        if len(skip) >= len(self.layers):
-            return math.inf
+        if len(skip) >= len(self.layers) and self.unit in ("block", "attention"):
+            return math.inf  # nothing left to run, or no attention left to read the context
         start = min(extra) if extra else len(self.layers)
         chosen = range(len(self.batches)) if batches is None else batches
         with torch.inference_mode():
@@ -180,8 +193,7 @@ class CutEngine:
             for batch, states in enumerate(self.states):
                 hidden = states[first]
                 for index in range(first, len(self.layers)):
-                    if index not in skip:
-                        hidden = _layer_output(self.layers[index](hidden, **self.kwargs[batch][index])).detach()
+                    hidden = self._layer(batch, index, hidden, skip).detach()
                     states[index + 1] = hidden
 
     def layer_forwards(self, extra: Iterable[int]) -> int:
@@ -190,7 +202,7 @@ class CutEngine:
         if not extra:
             return 0
         skip = set(self.removed) | extra
-        return sum(1 for index in range(min(extra), len(self.layers)) if index not in skip)
+        return sum(1 for index in range(min(extra), len(self.layers)) if index not in skip or self.unit != "block")
 
 
 def screening_model(model):

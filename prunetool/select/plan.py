@@ -19,6 +19,7 @@ class PrunePlan:
     criterion_values: list[float] | None = None  # the per-layer values the criterion ranked, if any
     calibration: dict | None = None  # CalibrationSet.describe() of the scores used, if any
     search_calibration: dict | None = None  # the windows a perplexity search measured (guided, ppl), if any
+    unit: str = "block"  # what `removed` indexes: whole layers, or the attention or MLP sublayer of those layers
 
     def __post_init__(self):
         removed = tuple(sorted(self.removed))
@@ -29,12 +30,14 @@ class PrunePlan:
             raise OptionError("nothing to remove: the plan names no layers")
         if removed[0] < 0 or removed[-1] >= self.num_layers:
             raise OptionError(f"layer indices must be in 0..{self.num_layers - 1}, got {list(removed)}")
-        if len(removed) >= self.num_layers:
-            raise OptionError(f"cannot remove all {self.num_layers} layers; at least one must stay")
+        if len(removed) >= self.num_layers and self.unit != "mlp":
+            what = "layers" if self.unit == "block" else "attention sublayers"
+            raise OptionError(f"cannot remove all {self.num_layers} {what}; at least one must stay")
 
     @property
     def kept(self) -> tuple[int, ...]:
-        gone = set(self.removed)
+        """The layers the written model has (all of them when only sublayers go)."""
+        gone = set(self.removed) if self.unit == "block" else set()
         return tuple(index for index in range(self.num_layers) if index not in gone)
 
     @property
@@ -46,6 +49,7 @@ class PrunePlan:
         return {
             "base_model": self.base_model,
             "num_layers": self.num_layers,
+            "unit": self.unit,
             "removed": list(self.removed),
             "kept": list(self.kept),
             "index_map": {str(old): new for old, new in self.index_map.items()},

@@ -77,6 +77,7 @@ class SelectionRequest:
     screen_dtype: str = "auto"  # halving only: one of SCREEN_DTYPES
     patch_objective: str | None = None  # halving only: judge the proposals after prune --patch's fit
     measured: dict | None = None  # guided and ppl: frozenset(removed) -> perplexity, shared across calls
+    unit: str = "block"  # measured criteria: remove whole layers, or only their attention or MLP sublayers
 
     @property
     def candidates(self) -> list[int]:

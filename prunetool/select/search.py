@@ -65,7 +65,7 @@ class _LazyEngine:
             self._built = True
             model = screening_model(self.req.model) if self.screening else self.req.model
             try:
-                self._engine = CutEngine(model, self.windows, batch_size=self.req.batch_size)
+                self._engine = CutEngine(model, self.windows, batch_size=self.req.batch_size, unit=self.req.unit)
                 self._engine.remove(self.removed)
                 self.dtype = self._engine.model.dtype
             except EngineUnsupported:
@@ -83,7 +83,7 @@ def _full_forward(req: SelectionRequest, windows: torch.Tensor, removed) -> floa
     """Perplexity of `windows` with `removed` gone, by a plain forward of the cut model (no engine)."""
     from prunetool.model.runner import cut_perplexity
 
-    return cut_perplexity(req.model, windows, removed=sorted(removed), batch_size=req.batch_size)
+    return cut_perplexity(req.model, windows, removed=sorted(removed), batch_size=req.batch_size, unit=req.unit)
 
 
 class _Steps:

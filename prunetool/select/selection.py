@@ -31,23 +31,29 @@ class Criterion:
     summary: str  # one line for --help and reports
     parameters: tuple[str, ...] = ()  # SelectionRequest fields recorded in the plan besides protection
     contiguous: bool = False  # removes one block that must keep the final layer
+    units: tuple[str, ...] = ("block",)  # what it can remove: whole layers and/or attention or MLP sublayers
+
+
+SUBLAYER_UNITS = ("block", "attention", "mlp")
 
 
 CRITERIA: dict[str, Criterion] = {
     "guided": Criterion(select_guided, "both", "q-similarity/BI rank proposes layer sets, calibration perplexity picks",
                         ("beta", "shortlist", "refine_windows", "blocks", "batch_size")),
-    "qsim": Criterion(select_qsim, "scores", "highest query self-similarity (most predictable queries) first"),
+    "qsim": Criterion(select_qsim, "scores", "highest query self-similarity (most predictable queries) first",
+                      units=("block", "attention")),
     "tappa": Criterion(select_tappa, "scores", "TAPPA: lowest minmax(BI) + beta*(1 - minmax(qsim)) first", ("beta",)),
     "bi": Criterion(select_bi, "scores", "ShortGPT: lowest block influence first"),
     "angular": Criterion(select_angular, "scores", "Gromov et al.: contiguous block with the smallest angular distance",
                          contiguous=True),
-    "last": Criterion(select_last, "nothing", "the N layers just before the final one", contiguous=True),
+    "last": Criterion(select_last, "nothing", "the N layers just before the final one", contiguous=True,
+                      units=SUBLAYER_UNITS),
     "ppl": Criterion(select_ppl, "model", "SLEB-style greedy: remove the layer that hurts calibration perplexity least, N times",
-                     ("batch_size",)),
+                     ("batch_size",), units=SUBLAYER_UNITS),
     "halving": Criterion(select_halving, "model", "SLEB's greedy with successive halving (screen on few windows, confirm "
                          "the best on all), contiguous blocks and neighbour swaps; with --patch, judged after the patch (default)",
                          ("shortlist", "refine_windows", "screen_tokens", "screen_dtype", "blocks", "batch_size",
-                          "patch_objective")),
+                          "patch_objective"), units=SUBLAYER_UNITS),
 }
 
 
@@ -59,10 +65,16 @@ def default_beta(criterion: str) -> float:
 def validate_selection(criterion: str, count: int, num_layers: int, *, beta: float | None = None,
                        protect_first: int = 0, protect_last: int = 0, shortlist: int = GUIDED_SHORTLIST,
                        refine_windows: int = GUIDED_WINDOWS, blocks: int = GUIDED_BLOCKS,
-                       screen_tokens: int = HALVING_SCREEN_TOKENS, screen_dtype: str = "auto") -> None:
+                       screen_tokens: int = HALVING_SCREEN_TOKENS, screen_dtype: str = "auto",
+                       unit: str = "block") -> None:
     """Every option check that needs no model and no scores, so a typo fails before minutes of loading."""
     if criterion not in CRITERIA:
         raise OptionError(f"unknown --criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
+    if unit not in SUBLAYER_UNITS:
+        raise OptionError(f"--unit must be one of {', '.join(SUBLAYER_UNITS)}, got {unit!r}")
+    if unit not in CRITERIA[criterion].units:
+        able = [name for name, spec in CRITERIA.items() if unit in spec.units]
+        raise OptionError(f"--criterion {criterion} ranks whole layers; with --unit {unit} use one of {', '.join(able)}")
     beta = default_beta(criterion) if beta is None else beta
     if not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
         raise OptionError(f"--beta must be a number >= 0 (TAPPA used 0.3), got {beta}")
@@ -77,8 +89,11 @@ def validate_selection(criterion: str, count: int, num_layers: int, *, beta: flo
             raise OptionError(f"{flag} must be 0 or more, got {value}")
     if count < 1:
         raise OptionError(f"--drop must be at least 1, got {count}")
-    if count >= num_layers:
-        raise OptionError(f"--drop {count} must be below the number of layers ({num_layers}); at least one must stay")
+    if count >= num_layers and unit != "mlp":
+        what = "layers" if unit == "block" else "attention sublayers"
+        raise OptionError(f"--drop {count} must be below the number of {what} ({num_layers}); at least one must stay")
+    if count > num_layers:
+        raise OptionError(f"--drop {count} is more than the {num_layers} MLP sublayers")
     free = num_layers - protect_first - protect_last
     if count > free:
         where = f"layers {protect_first}..{num_layers - protect_last - 1}" if free > 0 else "none"
@@ -116,7 +131,7 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
               batch_size: int = 1, on_step: Callable[[int, int], None] | None = None,
               shortlist: int = GUIDED_SHORTLIST, refine_windows: int = GUIDED_WINDOWS,
               blocks: int = GUIDED_BLOCKS, screen_tokens: int = HALVING_SCREEN_TOKENS, screen_dtype: str = "auto",
-              patch_objective: str | None = None) -> PrunePlan:
+              patch_objective: str | None = None, unit: str = "block") -> PrunePlan:
     """Validate, run one criterion, and record how the layers were chosen in a PrunePlan.
 
     `patch_objective` (prune --patch): criteria that can judge their proposals after the patch do so."""
@@ -124,7 +139,7 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
     beta = default_beta(criterion) if beta is None else beta
     validate_selection(criterion, count, total, beta=beta, protect_first=protect_first, protect_last=protect_last,
                        shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens,
-                       screen_dtype=screen_dtype)
+                       screen_dtype=screen_dtype, unit=unit)
     spec = CRITERIA[criterion]
     if spec.needs in ("scores", "both") and scores is None:
         raise OptionError(f"--criterion {criterion} ranks recorded scores; score the model first")
@@ -133,7 +148,8 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
     request = SelectionRequest(total, count, scores, protect_first, protect_last, beta, model,
                                calibration.input_ids if calibration is not None else None, batch_size, on_step,
                                shortlist=shortlist, refine_windows=refine_windows, blocks=blocks,
-                               screen_tokens=screen_tokens, screen_dtype=screen_dtype, patch_objective=patch_objective if "patch_objective" in spec.parameters else None)
+                               screen_tokens=screen_tokens, screen_dtype=screen_dtype, unit=unit,
+                               patch_objective=patch_objective if "patch_objective" in spec.parameters else None)
     selection = spec.select(request)
     parameters = {"protect_first": protect_first, "protect_last": protect_last}
     parameters |= {name: getattr(request, name) for name in spec.parameters} | selection.extra
@@ -142,12 +158,12 @@ def make_plan(base_model: str, criterion: str, count: int, *, scores: Scores | N
         searched = calibration.first(selection.extra.get("refine_windows", calibration.windows)).describe()
     described = scores.calibration if spec.needs in ("scores", "both") else searched
     return PrunePlan(base_model, total, selection.removed, criterion, parameters, selection.values, described,
-                     searched)
+                     searched, unit=unit)
 
 
-def manual_plan(base_model: str, removed: Iterable[int], num_layers: int) -> PrunePlan:
+def manual_plan(base_model: str, removed: Iterable[int], num_layers: int, unit: str = "block") -> PrunePlan:
     """A plan for layers the user named (--remove-layers); criterion "manual", nothing ranked."""
-    return PrunePlan(base_model, num_layers, tuple(removed), "manual")
+    return PrunePlan(base_model, num_layers, tuple(removed), "manual", unit=unit)
 
 
 def parse_layers(text: str, num_layers: int, allow_all: bool = False, flag: str = "--remove-layers") -> tuple[int, ...]:
