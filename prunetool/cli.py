@@ -295,7 +295,11 @@ def show_scores(scores, drop: Optional[int], output: Optional[Path], plot: Optio
 
 
 # prune's own options
-DropOpt = Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers, chosen by --criterion.")]
+DropOpt = Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers (or sublayers of --unit), "
+                    "chosen by --criterion.")]
+UnitOpt = Annotated[str, typer.Option("--unit", help="What goes: block (whole decoder layers), attention (only the "
+                    "self-attention sublayers, and with them their KV cache) or mlp; sublayer cuts are written as a "
+                    "nemotron-nas (DeciLM) checkpoint (docs/pruning.md).")]
 RemoveLayersOpt = Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
                             "original indices, e.g. 3,7,12.")]
 CriterionOpt = Annotated[str, typer.Option("--criterion", help="halving (default), guided, qsim, tappa, bi, angular, "
@@ -336,6 +340,7 @@ PatchWindowsOpt = Annotated[Optional[int], typer.Option("--patch-windows", help=
 def prune(
     model: PruneModelArg = None,
     drop: DropOpt = None,
+    unit: UnitOpt = "block",
     remove_layers: RemoveLayersOpt = None,
     old_layers: OldLayersOpt = None,
     criterion: CriterionOpt = "halving",
@@ -385,6 +390,7 @@ def prune(
         verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
         shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens,
         screen_dtype=screen_dtype, patch=patch, patch_objective=patch_objective, patch_windows=patch_windows,
+        unit=unit,
     )
     show_prune(run_prune(request, err), plot, json_out, dry_run, verify)
 
@@ -416,7 +422,8 @@ def show_prune(result: dict, plot: Optional[Path], json_out: bool, dry_run: bool
         what = ("layer count, perplexity read layer by layer" if checks.get("low_memory")
                 else "reload, layer count, cached = uncached decoding, perplexity")
         checked = f"verified in {checks['dtype']} on {checks['device']} ({what} within {checks['perplexity_rtol']:g})"
-    out.print(f"wrote {result['output']}: removed layers {plan['removed']} (0-based original indices); {checked}",
+    what = "layers" if plan.get("unit", "block") == "block" else f"the {plan['unit']} sublayers of layers"
+    out.print(f"wrote {result['output']}: removed {what} {plan['removed']} (0-based original indices); {checked}",
               highlight=False, soft_wrap=True)
 
 

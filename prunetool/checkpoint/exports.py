@@ -114,6 +114,9 @@ def _patch_rows(patch: dict | None) -> list[str]:
     return rows + [""]
 
 
+UNIT_WORDS = {"block": "whole decoder layers", "attention": "attention sublayers", "mlp": "MLP sublayers"}
+
+
 def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, command: str,
                patch: dict | None = None) -> str:
     """README.md with Hub front matter, saying what was removed and what it cost."""
@@ -127,9 +130,10 @@ def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, com
         "tags: [pruned, prunetool]",
         "---",
         "",
-        f"# {base_model}, {len(plan.removed)} of {plan.num_layers} decoder layers removed",
+        f"# {base_model}, {len(plan.removed)} of {plan.num_layers} {UNIT_WORDS[plan.unit]} removed",
         "",
-        f"Made with prunetool {__version__} by removing whole decoder layers. "
+        f"Made with prunetool {__version__} by removing {UNIT_WORDS[plan.unit]}"
+        f"{'' if plan.unit == 'block' else ' (a nemotron-nas / DeciLM checkpoint: load with trust_remote_code=True)'}. "
         f"{source_sentence(plan.base_model, patched=patch is not None)}",
         "",
         *_patch_rows(patch),

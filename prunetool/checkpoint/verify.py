@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from prunetool.sources.checks import ships_our_code
 from prunetool.model.architecture import decoder_of
 from prunetool.errors import VerificationError
 from prunetool.model.loading import quiet_transformers
@@ -84,13 +85,17 @@ def cached_logprob_gap(model, prompt: torch.Tensor, continuation: list[int], set
 
 
 def verify_checkpoint(folder: Path, *, expected_layers: int, held_out: torch.Tensor | None,
-                      expected_perplexity: float | None, setting: VerifySetting) -> dict:
-    """Reload `folder` with transformers in `setting`'s dtype and device and run every check."""
+                      expected_perplexity: float | None, setting: VerifySetting, shipped_code: bool = False) -> dict:
+    """Reload `folder` with transformers in `setting`'s dtype and device and run every check.
+
+    `shipped_code`: the folder carries our own modeling code (a nemotron-nas folder), which the reload runs."""
     from transformers import AutoModelForCausalLM
 
     try:
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=setting.dtype).eval().to(setting.device)
+            trusted = shipped_code or ships_our_code(folder)  # a nemotron-nas folder healed keeps our code
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=setting.dtype, trust_remote_code=trusted)
+            model = model.eval().to(setting.device)
     except Exception as error:  # whatever the loader raises, the checkpoint is unusable
         raise VerificationError(f"the written checkpoint does not reload: {error}") from error
     layers = check_layer_count(model, expected_layers, "the reloaded checkpoint")

@@ -182,7 +182,10 @@ def kv_schedules(request: EvalRequest, candidate: "Candidate", source) -> list:
         return []
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(source.path, trust_remote_code=request.trust_remote_code)
+    from prunetool.sources.checks import ships_our_code
+
+    config = AutoConfig.from_pretrained(source.path,
+                                        trust_remote_code=request.trust_remote_code or ships_our_code(source.path))
     text = config.get_text_config(decoder=True)
     layers = text.num_hidden_layers - len(candidate.remove)
     context = getattr(text, "max_position_embeddings", None) or 2**31

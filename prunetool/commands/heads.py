@@ -31,8 +31,10 @@ def check_early(source, layers, kv_budget, seq_len: int, trust_remote_code: bool
     from prunetool.heads.budget import check_kv_budget
     from prunetool.select.selection import parse_layers
 
-    text_config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code).get_text_config(
-        decoder=True)
+    from prunetool.sources.checks import ships_our_code
+
+    trusted = trust_remote_code or ships_our_code(source.path)
+    text_config = AutoConfig.from_pretrained(source.path, trust_remote_code=trusted).get_text_config(decoder=True)
     num_layers = text_config.num_hidden_layers
     if layers:
         parse_layers(layers, num_layers, allow_all=True, flag="--only-layers")

@@ -22,6 +22,7 @@ every other tensor byte for byte.
 """
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from prunetool.select.selection import (CRITERIA, SUBLAYER_UNITS, make_plan, man
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.demo import find_alias
 from prunetool.sources.tokenizer import FileTokenizer
-from prunetool.checkpoint.surgery import patched_tensor_names, write_pruned_checkpoint
+from prunetool.checkpoint.surgery import patched_tensor_names, write_pruned_checkpoint, write_sublayer_checkpoint
 from prunetool.checkpoint.surgery.output import check_output
 from prunetool.checkpoint.verify import VerifySetting, verify_checkpoint, verify_streamed
 
@@ -148,6 +149,16 @@ def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | N
                        shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
                        screen_tokens=request.screen_tokens, screen_dtype=request.screen_dtype, unit=request.unit)
     return None
+
+
+def check_sublayer_request(request: PruneRequest, source) -> None:
+    """A sublayer cut is written as a nemotron-nas folder: refuse what that format cannot express, at once."""
+    from prunetool.checkpoint.nemotron_nas.convert import check_expressible
+
+    if request.low_memory:
+        raise OptionError(f"--unit {request.unit} does not run with --low-memory yet; load the model (drop "
+                          "--low-memory) or prune whole blocks")
+    check_expressible(source.config)
 
 
 def check_patch_options(request: PruneRequest) -> None:
@@ -323,15 +334,19 @@ def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: V
                           patch=patch)
     config = text_section(source.config)
     command = f"prunetool prune {plan.base_model} --remove-layers {','.join(map(str, plan.removed))}"
+    if plan.unit != "block":
+        command += f" --unit {plan.unit}"
     if patch is not None:
         command += f" --patch --patch-objective {patch['objective']}"
-    return {
+    files = {
         "prune.json": json.dumps(record, indent=1) + "\n",
         "README.md": model_card(plan, base_model=base_model_name(source), perplexity=perplexity_info, command=command,
                                 patch=patch),
-        "mergekit.yaml": mergekit_yaml(plan, str(source.path), config.get("dtype") or config.get("torch_dtype")),
-        "llama.cpp-prune-layers.txt": llamacpp_prune_layers(plan),
     }
+    if plan.unit == "block":  # mergekit and llama.cpp's layer lists remove whole layers only
+        files["mergekit.yaml"] = mergekit_yaml(plan, str(source.path), config.get("dtype") or config.get("torch_dtype"))
+        files["llama.cpp-prune-layers.txt"] = llamacpp_prune_layers(plan)
+    return files
 
 
 def streamed_model(source, calibration: CalibrationSet, request: PruneRequest):
@@ -394,6 +409,8 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
                           "layers; score this model again")
     manual = check_options(request, num_layers)
     check_patch_options(request)
+    if request.unit != "block":
+        check_sublayer_request(request, source)
     verifying = request.verify and not request.dry_run
     patching = request.patch and not request.dry_run
     needs = None if manual is not None else CRITERIA[request.criterion].needs
@@ -428,16 +445,22 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
     output, verification = Path(request.output or default_output(spec, plan)), {}
 
     def check(folder: Path) -> None:
-        verify = verify_streamed if low_memory else verify_checkpoint
+        verify = verify_streamed if low_memory else functools.partial(verify_checkpoint,
+                                                                     shipped_code=plan.unit != "block")
         verification.update(verify(folder, expected_layers=len(plan.kept), held_out=calibration.held_out,
                                    expected_perplexity=perplexity_info["after"], setting=setting))
 
     with window_progress(console) as progress:
         task = progress.add_task("writing shards", total=None)
-        write_pruned_checkpoint(source.path, plan, output, force=request.force,
-                                extra_files=side_files(plan, source, perplexity_info, setting, patch),
-                                on_shard=lambda name: progress.advance(task),
-                                before_publish=check if verifying else None, replacements=replacements)
+        extra = side_files(plan, source, perplexity_info, setting, patch)
+        if plan.unit == "block":
+            write_pruned_checkpoint(source.path, plan, output, force=request.force, extra_files=extra,
+                                    on_shard=lambda name: progress.advance(task),
+                                    before_publish=check if verifying else None, replacements=replacements)
+        else:
+            write_sublayer_checkpoint(source.path, plan, output, force=request.force, extra_files=extra,
+                                      on_shard=lambda name: progress.advance(task),
+                                      before_publish=check if verifying else None)
     pruned = {"path": str(output.resolve()), "removed": list(plan.removed), "criterion": plan.criterion,
               "held_out": perplexity_info["held_out"] if perplexity_info else None}
     record_current_run(spec, source.path, scores.to_json() if scores is not None else None, start.calibration, pruned)

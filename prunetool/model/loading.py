@@ -84,6 +84,9 @@ def load_model(source: ModelSource, *, dtype: str = "auto", device: str = "auto"
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from prunetool.sources.checks import ships_our_code
+
+    trust_remote_code = trust_remote_code or ships_our_code(source.path)
     target = pick_device(device)
     torch_dtype = pick_dtype(dtype, target)
     spread = {}

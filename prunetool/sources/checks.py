@@ -142,7 +142,7 @@ def check_custom_code(config: dict, folder: Path, trust_remote_code: bool) -> li
                 f"{transformers_version()}; upgrade transformers"
             )
         return []
-    if trust_remote_code:
+    if trust_remote_code or ships_our_code(folder):
         return []
     if model_type and model_type in _known_model_types():
         return [f"{folder}/config.json has auto_map (custom code); using transformers' built-in {model_type!r}"]
@@ -150,6 +150,18 @@ def check_custom_code(config: dict, folder: Path, trust_remote_code: bool) -> li
         f"{folder}/config.json needs custom modeling code (auto_map, model_type {model_type!r}); "
         "review it and pass --trust-remote-code to run it"
     )
+
+
+# the code prunetool writes beside a nemotron-nas folder (checkpoint/nemotron_nas), read here as files
+OUR_CODE = Path(__file__).resolve().parents[1] / "checkpoint" / "nemotron_nas"
+OUR_CODE_FILES = ("configuration_decilm.py", "modeling_decilm.py")
+
+
+def ships_our_code(folder: Path) -> bool:
+    """The folder's custom code is byte for byte the code this prunetool writes, so running it needs no
+    --trust-remote-code (it is ours, not the checkpoint author's)."""
+    return all((Path(folder) / name).is_file() and (Path(folder) / name).read_bytes() == (OUR_CODE / name).read_bytes()
+               for name in OUR_CODE_FILES)
 
 
 def _known_model_types() -> set[str]:

@@ -114,8 +114,11 @@ def derived_layer_lists(source_dir, config: dict) -> tuple[int, dict]:
     """
     from transformers import AutoConfig
 
+    from prunetool.sources.checks import ships_our_code
+
     try:
-        loaded = AutoConfig.from_pretrained(source_dir).get_text_config(decoder=True)
+        loaded = AutoConfig.from_pretrained(source_dir, trust_remote_code=ships_our_code(source_dir))
+        loaded = loaded.get_text_config(decoder=True)
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise UnsupportedModelError(f"transformers cannot read {source_dir}/config.json: {e}") from e
     num_layers = loaded.num_hidden_layers
