@@ -1,8 +1,8 @@
-"""Measurements per second of the cut engine against full forwards (issue 14, part 1).
+"""Measurements per second of the cut engine against full forwards (the SLEB comparison's first step).
 
 One SLEB round on each demo model: every layer removed alone (on top of an optional current cut), the
 calibration perplexity of the 16 x 512 C4 windows measured (a) by a full forward of the cut model
-(in_memory.layers_removed + perplexity, what `ppl` did before) and (b) by prunetool.cut_engine, whose
+(in_memory.layers_removed + perplexity, what `ppl` did before) and (b) by prunetool.select.cut_engine, whose
 time includes building it (a capture forward and the self-check forward). Both give the same numbers
 (checked here to 1e-5 relative); only the time differs.
 
@@ -48,11 +48,11 @@ def main() -> None:
 
     import torch
 
-    from prunetool.calibration import load_calibration
-    from prunetool.cut_engine import CutEngine
-    from prunetool.in_memory import layers_removed
-    from prunetool.loading import load_model
-    from prunetool.perplexity import perplexity
+    from prunetool.select.calibration import load_calibration
+    from prunetool.select.cut_engine import CutEngine
+    from prunetool.model.in_memory import layers_removed
+    from prunetool.model.loading import load_model
+    from prunetool.model.perplexity import perplexity
     from prunetool.sources import resolve_model
     from provenance import write_results
 

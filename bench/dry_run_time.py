@@ -1,4 +1,4 @@
-"""Wall time of `prunetool prune smollm2-135m --drop 6 --dry-run` per criterion (issue 14's acceptance).
+"""Wall time of `prunetool prune smollm2-135m --drop 6 --dry-run` per criterion (the dry-run time goal).
 
 Each criterion runs as the user runs it: a fresh `prunetool` process, the default calibration (the
 model's own generated text, cached after its first use, so the first criterion pays no generation that

@@ -8,7 +8,7 @@ import argparse
 import json
 
 from prunetool.evaluation.hop import parse_task_name
-from prunetool.report import eval_rows
+from prunetool.output.report import eval_rows
 
 
 def number(value, stderr=None) -> str:

@@ -1,4 +1,4 @@
-"""Where a heal step's time goes, and what bfloat16 autocast and the fused KL buy (issue 13: heal throughput).
+"""Where a heal step's time goes, and what bfloat16 autocast and the fused KL buy (heal throughput).
 
 SmolLM2-135M as teacher; the student is the same model with layers 13-18 removed in memory, LoRA r=8 on
 every projection, as `prunetool heal --train lora` builds it. One step = one micro-batch of B x 256 random
@@ -153,8 +153,8 @@ def main() -> None:
     import torch
 
     from prunetool.commands.heal import LORA_ALPHA_PER_RANK, HealRequest, lora_targets
-    from prunetool.in_memory import prune_in_memory
-    from prunetool.loading import load_model
+    from prunetool.model.in_memory import prune_in_memory
+    from prunetool.model.loading import load_model
     from prunetool.repair.distill import distill_loss
     from prunetool.sources import resolve_model
     from provenance import write_results

@@ -1,4 +1,4 @@
-"""KV-cache budgets applied (issue 16): long-context accuracy against average cache per layer, per schedule.
+"""KV-cache budgets applied: long-context accuracy against average cache per layer, per schedule.
 
 For one model, every document of every task is prefilled once (prunetool.kv.snapkv, SnapKV-style scoring
 with a 32-token observation window); the full cache and each schedule's cache at each average budget are
@@ -60,7 +60,7 @@ def main() -> None:
     from prunetool.evaluation.kv_eval import evaluate_long_context
     from prunetool.evaluation.long_context import load_haystack, parse_name
     from prunetool.kv.schedules import parse_schedule
-    from prunetool.loading import load_model
+    from prunetool.model.loading import load_model
     from prunetool.sources import resolve_model
     from provenance import write_results
 
@@ -112,7 +112,7 @@ def layer_main() -> None:
     from prunetool.evaluation.long_context import documents_for, load_haystack, parse_name
     from prunetool.kv import snapkv
     from prunetool.kv.schedules import layer_budgets, parse_schedule
-    from prunetool.loading import load_model
+    from prunetool.model.loading import load_model
     from prunetool.sources import resolve_model
     from provenance import write_results
 
@@ -216,7 +216,7 @@ def at_twelve_percent(results: dict, kind: str) -> float:
 
 
 def goals(*files: dict) -> str:
-    """Issue 16's goal: at every average budget <= 256, the best q-similarity schedule against uniform and pyramid."""
+    """The KV-budget goal: at every average budget <= 256, the best q-similarity schedule against uniform and pyramid."""
     lines = ["| model | budget | uniform | pyramid | best q-similarity schedule | goal |", "|---|---:|---:|---:|---|---|"]
     for results in files:
         for budget in [b for b in results["setting"]["budgets"] if b <= 256]:

@@ -1,4 +1,4 @@
-"""`prune --low-memory` under a memory cap below the checkpoint's size, against the in-memory prune (issue 15).
+"""`prune --low-memory` under a memory cap below the checkpoint's size, against the in-memory prune.
 
 For each model and cut, two processes run `python -m prunetool prune MODEL --drop N --json` with the default
 criterion, C4 calibration (16 x 512 tokens, the defaults) and verification on:

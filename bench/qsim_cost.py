@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from provenance import write_results
 
-from prunetool.metrics import mean_pairwise_cosine
+from prunetool.model.metrics import mean_pairwise_cosine
 
 
 def gram_mean_cosine(q: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ EVAL_WINDOWS = 16  # fixed WikiText-2 test windows of SEQ_LEN tokens: the first 
 RANDOM_SEEDS = 5
 PPL_WINDOWS = 4  # SLEB's greedy measures the same few calibration windows guided refines on (its default)
 ACCURACY_TASKS = "lambada_openai,arc_easy,piqa,winogrande"
-DEFAULT = "halving"  # prunetool prune's default criterion since issue 14 (guided before)
+DEFAULT = "halving"  # prunetool prune's default criterion since the SLEB comparison (guided before)
 PATCH_OBJECTIVE = "down_proj"  # prune --patch's default; --patched fits it on the 16 C4 calibration windows
 
 
@@ -64,7 +64,7 @@ def save_results(results: dict) -> None:
 
 
 def eval_windows(tokenizer):
-    from prunetool.calibration import load_calibration
+    from prunetool.select.calibration import load_calibration
 
     return load_calibration(str(DATA / "wikitext2-test.raw"), tokenizer, seq_len=SEQ_LEN, samples=EVAL_WINDOWS)
 
@@ -76,8 +76,8 @@ def select(name: str, spec: dict, scores, model, calibration, drops, memo: dict)
     once per drop count with a memo of measured sets (per number of windows), so shared greedy prefixes
     are measured once; its time is the sum, an upper bound on what one drop count costs.
     """
-    from prunetool.ranking import GUIDED_BETA, GUIDED_WINDOWS, TAPPA_BETA, SelectionRequest
-    from prunetool.selection import CRITERIA
+    from prunetool.select.ranking import GUIDED_BETA, GUIDED_WINDOWS, TAPPA_BETA, SelectionRequest
+    from prunetool.select.selection import CRITERIA
 
     criterion = CRITERIA[spec["criterion"]]
     default_beta = GUIDED_BETA if spec["criterion"] == "guided" else TAPPA_BETA
@@ -132,11 +132,11 @@ def main() -> None:
 def run_model(alias: str, args) -> None:
     import torch
 
-    from prunetool.calibration import load_calibration
-    from prunetool.in_memory import layers_removed
-    from prunetool.loading import load_model
-    from prunetool.perplexity import perplexity
-    from prunetool.scoring import Scores, score_model
+    from prunetool.select.calibration import load_calibration
+    from prunetool.model.in_memory import layers_removed
+    from prunetool.model.loading import load_model
+    from prunetool.model.perplexity import perplexity
+    from prunetool.select.scoring import Scores, score_model
     from prunetool.sources import resolve_model
     from prunetool.sources import model_key
 
@@ -252,8 +252,8 @@ def patched_rows(alias, model, calibration, evals, entry, results) -> None:
 def calibration_shift(scores: dict, model, calibrations: dict, drops) -> dict:
     """How much the layer choice moves with the calibration text: Spearman of the per-layer signals, and
     overlap of the removed sets (|A & B| / N) against the main calibration."""
-    from prunetool.ranking import SelectionRequest
-    from prunetool.selection import CRITERIA
+    from prunetool.select.ranking import SelectionRequest
+    from prunetool.select.selection import CRITERIA
 
     out = {}
     main = scores[MAIN_CALIBRATION]
@@ -274,7 +274,7 @@ def calibration_shift(scores: dict, model, calibrations: dict, drops) -> dict:
 def spearman(a: list[float], b: list[float]) -> float:
     import torch
 
-    from prunetool.metrics import rank01
+    from prunetool.model.metrics import rank01
 
     ra, rb = rank01(torch.tensor(a)), rank01(torch.tensor(b))
     ra, rb = ra - ra.mean(), rb - rb.mean()
@@ -304,7 +304,7 @@ def run_accuracy(alias, model, tokenizer, entry, results, limit: int, names: tup
     """lm-eval accuracy (local task copies) for the base and the ACCURACY_CONFIGS at the middle drop count."""
     from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, make_lm
     from prunetool.evaluation.tasks import plan_tasks
-    from prunetool.in_memory import layers_removed
+    from prunetool.model.in_memory import layers_removed
 
     plans, managers = plan_tasks(ACCURACY_TASKS.split(","), DATA), TaskManagers(DATA)
     middle = str(MODELS[alias][1])
@@ -357,8 +357,8 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-PEERS = ("bi", "angular", "tappa-0.3", "last")  # the issue's bar: the default must be no worse than the best of these
-LABELS = {"halving": "halving (default)", "guided": "guided (issue 5's default)", "tappa-0.3": "tappa (beta 0.3, as published)", "ppl": "ppl (SLEB greedy)",
+PEERS = ("bi", "angular", "tappa-0.3", "last")  # the q-similarity default's bar: no worse than the best of these
+LABELS = {"halving": "halving (default)", "guided": "guided (the previous default)", "tappa-0.3": "tappa (beta 0.3, as published)", "ppl": "ppl (SLEB greedy)",
           "random": "random (mean of 5 seeds)"}
 
 
@@ -405,7 +405,7 @@ def report_markdown(results: dict) -> str:
         out.append("| best of bi, angular, tappa, last | " + " | ".join(fmt(v) for v in best) + " | |")
         if ours:
             verdict = ["yes" if o <= b * (1 + 1e-9) else f"no (+{100 * (o / b - 1):.1f}%)" for o, b in zip(ours, best)]
-            out.append("| guided no worse? (issue 5's bar) | " + " | ".join(verdict) + " | |")
+            out.append("| guided no worse than the best peer? | " + " | ".join(verdict) + " | |")
         out.append(f"\nRemoved layers (0-based):\n")
         out.append("| criterion | " + " | ".join(f"N = {d}" for d in drops) + " |")
         out.append("|---|" + "---|" * len(drops))
@@ -448,7 +448,7 @@ SEARCH_ROWS = ("guided", "bi", "angular", "ppl", "halving", "halving-patch")
 
 
 def search_markdown(results: dict) -> str:
-    """Issue 14's evidence: every search plain and patched at each drop count, selection time, goals."""
+    """The SLEB comparison: every search plain and patched at each drop count, selection time, goals."""
     out: list[str] = []
     for alias, entry in measured(results):
         drops, configs = MODELS[alias], entry["configs"]
@@ -481,7 +481,7 @@ def search_markdown(results: dict) -> str:
         out.append("\n† measured on one thread (the other core ran another benchmark); the others on two.")
     goals = search_goals(results)
     if goals:
-        out.append("\nAgainst issue 14's goals:\n")
+        out.append("\nAgainst the SLEB comparison's goals:\n")
         out.extend(goals)
     return "\n".join(out).strip("\n")
 

@@ -125,6 +125,7 @@ def repair_table(results: dict) -> str:
 
 
 REGIONS: dict[str, Region] = {
+    "sublayer": Region("bench/sublayer.py", ("sublayer.json",), stamped("sublayer")),
     "repair": Region("bench/repair.py", ("repair.json",), repair_table),
     "repair-tokens": Region("bench/repair.py", ("repair_tokens.json",), repair_table),
     "repair-heal-lr": Region("bench/repair_heal.py", ("repair_heal_lr.json",),

@@ -1,6 +1,6 @@
-"""How much of a cut's damage does `prune --patch` repair, per objective? (issue 13, part 1)
+"""How much of a cut's damage does `prune --patch` repair, per objective?
 
-SmolLM2-135M with layers 13-18 removed (the issue's floor setting), float32 on CPU. Each row's patch is
+SmolLM2-135M with layers 13-18 removed (the repair goals' setting), float32 on CPU. Each row's patch is
 fitted on the first N windows x 256 tokens of C4 calibration (c4_en_sample_1000.jsonl: 497k tokens,
 1941 such windows; 32 windows = 8k tokens was the first measurement, 256 = 64k is --patch's default
 DEFAULT_PATCH_TOKENS) through the same code path as
@@ -46,12 +46,12 @@ def main() -> None:
     from rich.console import Console
 
     from prunetool import __version__
-    from prunetool.calibration import load_calibration
+    from prunetool.select.calibration import load_calibration
     from prunetool.commands.prune import PruneRequest, patch_model
-    from prunetool.in_memory import layers_removed
-    from prunetool.loading import load_model
-    from prunetool.perplexity import perplexity
-    from prunetool.plan import PrunePlan
+    from prunetool.model.in_memory import layers_removed
+    from prunetool.model.loading import load_model
+    from prunetool.model.perplexity import perplexity
+    from prunetool.select.plan import PrunePlan
     from prunetool.sources import resolve_model
 
     console = Console(stderr=True)

@@ -1,4 +1,4 @@
-"""Repair end to end: plain cut, `--patch`, `heal`, patch + heal, cross-entropy LoRA (issue 13's evidence).
+"""Repair end to end: plain cut, `--patch`, `heal`, patch + heal, cross-entropy LoRA (the repair goals' evidence).
 
 Every row is made by the commands a user runs (commands.prune.run_prune with --remove-layers and
 commands.heal.run_heal), so the numbers include their verification and atomic writes. Each written folder
@@ -142,7 +142,7 @@ def table(results: dict) -> str:
 
 
 def goals(results: dict) -> str:
-    """Issue 13's goals for SmolLM2 -6, each checked against this file's rows: met, or missed by how much."""
+    """The repair goals for SmolLM2 -6, each checked against this file's rows: met, or missed by how much."""
     rows = {row["row"]: row for row in results["rows"]}
     base = rows["base"]
 
@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--drop", type=int, default=6)
     parser.add_argument("--criterion", default="halving",
                         help="whose choice of layers (bench/results/quality.json): the default criterion, halving "
-                             "since issue 14 (guided before it)")
+                             "since the SLEB comparison (guided before it)")
     parser.add_argument("--rows", default="plain,patch,patch+heal@100k,patch+ce@100k,heal@100k,patch+heal@1m")
     parser.add_argument("--limit", type=int, default=500)
     parser.add_argument("--no-tasks", action="store_true", help="perplexity only (the learning-rate sweep)")
@@ -262,13 +262,13 @@ def main() -> None:
     import torch
     from rich.console import Console
 
-    from prunetool.calibration import load_calibration
+    from prunetool.select.calibration import load_calibration
     from prunetool.commands.eval import EvalRequest, run_eval
     from prunetool.commands.heal import DEFAULT_LR, HealRequest, run_heal
     from prunetool.commands.prune import PruneRequest, run_prune
-    from prunetool.loading import load_model
+    from prunetool.model.loading import load_model
     from prunetool.paths import CACHE_ENV
-    from prunetool.perplexity import perplexity
+    from prunetool.model.perplexity import perplexity
     from prunetool.sources import resolve_model
     from provenance import write_results
 

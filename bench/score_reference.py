@@ -22,9 +22,9 @@ def differences(alias: str) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from prunetool.calibration import load_calibration
-    from prunetool.loading import load_model
-    from prunetool.scoring import score_model
+    from prunetool.select.calibration import load_calibration
+    from prunetool.model.loading import load_model
+    from prunetool.select.scoring import score_model
     from prunetool.sources import resolve_model
     from tests.reference import reference_scores
 

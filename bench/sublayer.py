@@ -92,7 +92,7 @@ def run(args) -> None:
 
     torch.manual_seed(0)
     results = load_results()
-    results.setdefault("provenance", []).append(provenance())
+    results["provenance"] = provenance()  # the run that measured the rows still missing
     model, tokenizer = load_model(resolve_model(MODEL), dtype="float32", device="cpu")
     evals = load_calibration(str(DATA / "wikitext2-test.raw"), tokenizer, seq_len=SEQ_LEN, samples=EVAL_WINDOWS)
     calibration = load_calibration(str(DATA / CALIBRATION), tokenizer, seq_len=SEQ_LEN, samples=SAMPLES)
@@ -112,6 +112,10 @@ def run(args) -> None:
             row["accuracy"] = accuracy(model, tokenizer, row["removed"], unit, args.accuracy_limit)
             print(f"{key}: accuracy {row['accuracy']['mean']:.4f}", file=sys.stderr, flush=True)
             save_results(results)
+
+
+def table(results: dict) -> str:
+    return markdown(results)
 
 
 def markdown(results: dict) -> str:
