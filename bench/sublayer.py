@@ -2,16 +2,20 @@
 
 SmolLM2-135M (float32, CPU): remove attention sublayers at N = 6, 9, 12 and whole blocks at N = 3, 6, 9.
 Attention cuts are chosen by the default search (halving, sublayers as candidates), by q-similarity
-alone (the TAPPA signal, no measuring) and by a BlockPruner-style perplexity greedy over sublayers
-(the ppl criterion at --unit attention), each with its selection time. Block cuts are chosen by the
-default search. Every cut is applied in memory and judged on the usual held-out WikiText-2 windows
-(16 x 512 tokens, never seen by any selection); parameters, KV-cache bytes per token and decode
-tokens/s (eval's efficiency measurement, median of 3) are measured on the same process and machine.
-`--accuracy` adds lm-eval mean accuracy on the four local tasks (500 documents each).
+alone (the TAPPA signal, no measuring), by TAPPA's BI' mix, by BI and angular distance measured across
+the attention sublayer, and by a BlockPruner-style perplexity greedy over sublayers (the ppl criterion
+at --unit attention), each with its selection time. Block cuts are chosen by the default search.
+Every selection sees only the first 16 x 512-token C4 windows. Every cut is applied in memory and
+judged on two held-out texts no selection saw: the usual WikiText-2 test windows (16 x 512 tokens)
+and the next 16 x 512-token C4 windows after the selection ones (same domain as the calibration).
+Parameters, KV-cache bytes per token and decode tokens/s (eval's efficiency measurement, median of
+5) are measured for every row in one pass of one process, so the ratios compare like with like.
+`--accuracy` adds lm-eval mean accuracy on the four local tasks (500 documents each) for the base
+and the default cuts (`--accuracy-rows all` for every row).
 
 Run:   .venv/bin/python bench/sublayer.py                 # perplexity, efficiency, selection time
-       .venv/bin/python bench/sublayer.py --accuracy      # adds lm-eval accuracy for every cut
-       .venv/bin/python bench/sublayer.py --report        # tables from the cached results only
+       .venv/bin/python bench/sublayer.py --accuracy      # adds lm-eval accuracy
+       .venv/bin/python bench/sublayer.py --report        # tables and docs/sublayer.png from the cache only
 Results are cached in bench/results/sublayer.json (delete a row to measure it again).
 """
 
@@ -32,7 +36,9 @@ MODEL = "smollm2-135m"
 SEQ_LEN, SAMPLES, EVAL_WINDOWS, PPL_WINDOWS = 512, 16, 16, 4
 CALIBRATION = "c4_en_sample_1000.jsonl"
 ATTENTION_DROPS, BLOCK_DROPS = (6, 9, 12), (3, 6, 9)
-ATTENTION_CRITERIA = ("halving", "qsim", "ppl")
+ATTENTION_CRITERIA = ("halving", "qsim", "tappa", "bi", "angular", "ppl")
+EFFICIENCY_REPEATS = 5
+PLOT = ROOT / "docs" / "sublayer.png"
 TASKS = ("lambada_openai", "arc_easy", "piqa", "winogrande")
 
 
@@ -58,14 +64,12 @@ def select(criterion: str, unit: str, drop: int, scores, model, calibration) -> 
     return sorted(chosen.removed), time.perf_counter() - started
 
 
-def measure(model, evals, removed: list[int], unit: str) -> dict:
+def efficiency(model, removed: list[int], unit: str) -> dict:
     from prunetool.evaluation.efficiency import measure_efficiency
-    from prunetool.model.runner import cut_perplexity, removed_units
+    from prunetool.model.runner import removed_units
 
     with removed_units(model, removed, unit):
-        efficiency = measure_efficiency(model)
-    return {"perplexity": cut_perplexity(model, evals.input_ids, removed=removed, unit=unit),
-            "efficiency": efficiency}
+        return measure_efficiency(model, repeats=EFFICIENCY_REPEATS)
 
 
 def accuracy(model, tokenizer, removed: list[int], unit: str, limit: int) -> dict:
@@ -86,6 +90,7 @@ def run(args) -> None:
     import torch
 
     from prunetool.model.loading import load_model
+    from prunetool.model.runner import cut_perplexity
     from prunetool.select.calibration import load_calibration
     from prunetool.select.scoring import score_model
     from prunetool.sources import resolve_model
@@ -95,9 +100,12 @@ def run(args) -> None:
     results["provenance"] = provenance()  # the run that measured the rows still missing
     model, tokenizer = load_model(resolve_model(MODEL), dtype="float32", device="cpu")
     evals = load_calibration(str(DATA / "wikitext2-test.raw"), tokenizer, seq_len=SEQ_LEN, samples=EVAL_WINDOWS)
-    calibration = load_calibration(str(DATA / CALIBRATION), tokenizer, seq_len=SEQ_LEN, samples=SAMPLES)
+    calibration = load_calibration(str(DATA / CALIBRATION), tokenizer, seq_len=SEQ_LEN, samples=SAMPLES,
+                                   holdout=EVAL_WINDOWS)
     scores = score_model(model, calibration, model_name=MODEL)
     results["held_out"], results["calibration"] = evals.describe(), calibration.describe()
+    results["c4_held_out"] = {"windows": len(calibration.held_out), "seq_len": SEQ_LEN,
+                              "first_window": SAMPLES, "file": CALIBRATION}
     jobs = [("base", "block", 0)] + [(c, "attention", n) for n in ATTENTION_DROPS for c in ATTENTION_CRITERIA]
     jobs += [("halving", "block", n) for n in BLOCK_DROPS]
     for criterion, unit, drop in jobs:
@@ -105,55 +113,170 @@ def run(args) -> None:
         row = results["rows"].setdefault(key, {"unit": unit, "criterion": criterion, "drop": drop})
         if "perplexity" not in row:
             removed, seconds = ([], 0.0) if drop == 0 else select(criterion, unit, drop, scores, model, calibration)
-            row |= {"removed": removed, "select_seconds": round(seconds, 1)} | measure(model, evals, removed, unit)
+            row |= {"removed": removed, "select_seconds": round(seconds, 1),
+                    "perplexity": cut_perplexity(model, evals.input_ids, removed=removed, unit=unit)}
+            row.pop("efficiency", None)
             print(f"{key}: {removed} ppl {row['perplexity']:.3f} in {seconds:.0f}s", file=sys.stderr, flush=True)
             save_results(results)
-        if args.accuracy and "accuracy" not in row:
+        if "c4_perplexity" not in row:
+            row["c4_perplexity"] = cut_perplexity(model, calibration.held_out, removed=row["removed"], unit=unit)
+            save_results(results)
+        wanted = args.accuracy_rows == "all" or criterion == "halving" or drop == 0
+        if args.accuracy and wanted and "accuracy" not in row:
             row["accuracy"] = accuracy(model, tokenizer, row["removed"], unit, args.accuracy_limit)
             print(f"{key}: accuracy {row['accuracy']['mean']:.4f}", file=sys.stderr, flush=True)
             save_results(results)
+    if args.efficiency or any("efficiency" not in row for row in results["rows"].values()):
+        for key, row in results["rows"].items():  # one pass, one process: timings comparable across rows
+            row["efficiency"] = efficiency(model, row["removed"], row["unit"])
+            print(f"{key}: decode {row['efficiency']['decode_tokens_per_second']:.1f} tok/s", file=sys.stderr,
+                  flush=True)
+        save_results(results)
 
 
-def table(results: dict) -> str:
-    return markdown(results)
+def ordered(results: dict) -> list[tuple[str, dict]]:
+    """Rows in reading order: base, attention by N then criterion, blocks by N."""
+    rank = {criterion: i for i, criterion in enumerate(ATTENTION_CRITERIA)}
+    rows = results["rows"].items()
+    return sorted(rows, key=lambda item: (item[1]["drop"] > 0, item[1]["unit"] != "attention", item[1]["drop"],
+                                          rank.get(item[1]["criterion"], 0)))
+
+
+def ratio(row: dict, base: dict, name: str) -> float:
+    return row["efficiency"][name] / base["efficiency"][name]
 
 
 def markdown(results: dict) -> str:
     """The comparison table: every cut's quality and savings relative to the base."""
-    rows = results["rows"]
-    base = rows["base"]
-    lines = ["| unit | criterion | N | removed | WikiText-2 ppl (x base) | mean acc | KV bytes/token | parameters | "
-             "decode tok/s | selection s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for key, row in rows.items():
-        efficiency, reference = row["efficiency"], base["efficiency"]
+    base = results["rows"]["base"]
+    lines = ["| unit | criterion | N | removed | WikiText-2 ppl (x base) | C4 held-out ppl (x base) | mean acc | "
+             "KV bytes/token | parameters | decode tok/s | selection s |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for _, row in ordered(results):
         acc = row.get("accuracy", {}).get("mean")
-
-        def ratio(name):
-            return f"{efficiency[name] / reference[name]:.2f}x"
-
+        c4 = row.get("c4_perplexity")
+        c4_cell = "-" if c4 is None else f"{c4:.2f} ({c4 / base['c4_perplexity']:.2f}x)"
         lines.append(f"| {row['unit'] if row['drop'] else 'base'} | {row['criterion'] if row['drop'] else '-'} | "
-                     f"{row['drop']} | {row['removed'] or '-'} | {row['perplexity']:.2f} "
-                     f"({row['perplexity'] / base['perplexity']:.2f}x) | {'-' if acc is None else f'{acc:.4f}'} | "
-                     f"{ratio('kv_cache_bytes_per_token')} | {ratio('parameters')} | "
-                     f"{ratio('decode_tokens_per_second')} | {row['select_seconds']:.0f} |")
+                     f"{row['drop']} | {', '.join(map(str, row['removed'])) or '-'} | {row['perplexity']:.2f} "
+                     f"({row['perplexity'] / base['perplexity']:.2f}x) | "
+                     f"{c4_cell} | "
+                     f"{'-' if acc is None else f'{acc:.4f}'} | "
+                     f"{ratio(row, base, 'kv_cache_bytes_per_token'):.2f}x | {ratio(row, base, 'parameters'):.2f}x | "
+                     f"{ratio(row, base, 'decode_tokens_per_second'):.2f}x | {row['select_seconds']:.0f} |")
     setting = base["efficiency"]["setting"]
+    c4 = results.get("c4_held_out", {})
     lines.append("")
     lines.append(f"Efficiency relative to the base on {setting['device']} ({setting['dtype']}, batch 1, decode "
                  f"{setting['decode_tokens']} tokens after {setting['decode_prompt_tokens']}, median of "
-                 f"{setting['repeats']}); held-out text: {results['held_out']['windows']} x "
-                 f"{results['held_out']['seq_len']} tokens of WikiText-2 test.")
+                 f"{setting['repeats']}, every row in one pass of one process). Selection saw the first "
+                 f"{results['calibration'].get('windows', SAMPLES)} x {SEQ_LEN}-token windows of {CALIBRATION}; "
+                 f"held out: {results['held_out']['windows']} x {results['held_out']['seq_len']} tokens of "
+                 f"WikiText-2 test, and C4 windows {c4.get('first_window', SAMPLES)}-"
+                 f"{c4.get('first_window', SAMPLES) + c4.get('windows', EVAL_WINDOWS) - 1} of the same file.")
     return "\n".join(lines)
+
+
+def goals(results: dict) -> str:
+    """The issue's goals, read off the rows: each line says what was measured against what was asked."""
+    rows, base = results["rows"], results["rows"]["base"]
+    lines = []
+    six = rows.get("attention:halving@6")
+    if six:
+        lines.append(f"- Attention N=6, default search: WikiText-2 perplexity {six['perplexity'] / base['perplexity']:.2f}x "
+                     f"the base (goal at most 1.25x); whole-block N=6: "
+                     f"{rows['block:halving@6']['perplexity'] / base['perplexity']:.2f}x.")
+    for drop in ATTENTION_DROPS:
+        default = rows.get(f"attention:halving@{drop}")
+        peers = {c: rows[f"attention:{c}@{drop}"] for c in ATTENTION_CRITERIA[1:] if f"attention:{c}@{drop}" in rows}
+        if not default or not peers:
+            continue
+        for text, name in (("WikiText-2", "perplexity"), ("C4 held-out", "c4_perplexity")):
+            if name not in default:
+                continue
+            beaten = [c for c, row in peers.items() if row.get(name, float("inf")) < default[name]]
+            lines.append(f"- Attention N={drop}, {text}: default {default[name]:.2f}; "
+                         + ", ".join(f"{c} {row[name]:.2f}" for c, row in peers.items() if name in row)
+                         + (f" (better than the default: {', '.join(beaten)})" if beaten else " (no peer better)"))
+        ppl = peers.get("ppl")
+        if ppl and ppl["select_seconds"]:
+            lines.append(f"- Attention N={drop}: default selection {default['select_seconds']:.0f} s against the "
+                         f"perplexity greedy's {ppl['select_seconds']:.0f} s "
+                         f"({default['select_seconds'] / ppl['select_seconds']:.2f}x; goal at most 0.25x).")
+    scored = [(key, row) for key, row in rows.items() if row["drop"] and "accuracy" in row]
+    if scored:
+        for unit in ("attention", "block"):
+            best = [(ratio(row, base, "decode_tokens_per_second"), row["accuracy"]["mean"], key)
+                    for key, row in scored if row["unit"] == unit]
+            lines.append(f"- {unit} cuts with accuracy: " + "; ".join(
+                f"{key} decode {speed:.2f}x, acc {acc:.4f}" for speed, acc, key in sorted(best)))
+    return "\n".join(lines)
+
+
+def report(results: dict) -> str:
+    return markdown(results) + "\n\n" + goals(results)
+
+
+def plot(results: dict) -> None:
+    """docs/sublayer.png: quality against KV saved and against decode speed, attention and block cuts on one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = results["rows"]["base"]
+    measures = [("perplexity", "WikiText-2 perplexity (x base)")]
+    if any("accuracy" in row for row in results["rows"].values()):
+        measures.append(("accuracy", "mean accuracy, 4 tasks"))
+    figure, axes = plt.subplots(len(measures), 2, figsize=(11, 4 * len(measures)), squeeze=False)
+    styles = {("attention", "halving"): ("tab:blue", "o", "attention, default (halving)"),
+              ("attention", "qsim"): ("tab:orange", "s", "attention, q-similarity"),
+              ("attention", "ppl"): ("tab:green", "^", "attention, ppl greedy"),
+              ("block", "halving"): ("black", "D", "blocks, default (halving)")}
+    for row_axes, (measure, label) in zip(axes, measures):
+        for (unit, criterion), (color, marker, name) in styles.items():
+            cut = sorted((row for row in results["rows"].values()
+                          if row["unit"] == unit and row["criterion"] == criterion and row["drop"]
+                          and (measure != "accuracy" or "accuracy" in row)), key=lambda row: row["drop"])
+            if not cut:
+                continue
+            values = [row["perplexity"] / base["perplexity"] if measure == "perplexity" else row["accuracy"]["mean"]
+                      for row in cut]
+            kv_saved = [1 - ratio(row, base, "kv_cache_bytes_per_token") for row in cut]
+            speed = [ratio(row, base, "decode_tokens_per_second") for row in cut]
+            for axis, xs in zip(row_axes, (kv_saved, speed)):
+                axis.plot(xs, values, marker=marker, color=color, label=name)
+                for x, y, row in zip(xs, values, cut):
+                    axis.annotate(f"N={row['drop']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        reference = 1.0 if measure == "perplexity" else base.get("accuracy", {}).get("mean")
+        for axis, xlabel in zip(row_axes, ("KV cache saved (fraction of the base)", "decode tokens/s (x base)")):
+            if reference is not None:
+                axis.axhline(reference, color="tab:red", linestyle=":", label="base")
+            if measure == "perplexity":
+                axis.set_yscale("log")
+            axis.set_xlabel(xlabel)
+            axis.set_ylabel(label)
+            axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    figure.suptitle(f"{MODEL}: attention sublayers against whole blocks")
+    figure.tight_layout()
+    figure.savefig(PLOT, dpi=110)
+    print(f"plot written to {PLOT.relative_to(ROOT)}", file=sys.stderr)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--accuracy-limit", type=int, default=500)
+    parser.add_argument("--accuracy-rows", choices=("default", "all"), default="default",
+                        help="default: the base and the halving rows; all: every row")
+    parser.add_argument("--efficiency", action="store_true", help="measure every row's efficiency again")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if not args.report:
         run(args)
-    print(markdown(load_results()))
+    results = load_results()
+    plot(results)
+    print(report(results))
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ def _install_hooks(model, store: dict) -> list:
         attn = layer.self_attn
         hooks.append(layer.register_forward_pre_hook(_layer_input_hook(store, ("h_in", i)), with_kwargs=True))
         hooks.append(layer.register_forward_hook(_output_hook(store, ("h_out", i)), with_kwargs=True))
+        hooks.append(attn.register_forward_hook(_output_hook(store, ("attn_out", i)), with_kwargs=True))
         if hasattr(attn, "qkv_proj"):
             projections = {"qkv_proj": attn.qkv_proj}
         else:
@@ -154,6 +155,7 @@ def capture_window(model, window: torch.Tensor, **forward_kwargs) -> tuple[list[
                 post_k=apply_rope(k_in, cos, sin),
                 h_in=store[("h_in", i)][0].to(device="cpu", dtype=F64),
                 h_out=store[("h_out", i)][0].to(device="cpu", dtype=F64),
+                attn_out=store[("attn_out", i)][0].to(device="cpu", dtype=F64),
             )
         )
     return layers, out
@@ -202,6 +204,9 @@ def reference_scores(model, input_ids: torch.Tensor) -> dict:
     * block_influence[l]: 1 - cos(layer input, layer output), mean over all tokens of all windows.
     * angular_distance[a][b]: (1/pi) arccos cos(h_a, h_b) of the last token, where h_l is the
       input of layer l and h_L the output of the last layer (before the final norm); window mean.
+    * attention_influence / mlp_influence[l]: 1 - cos across the sublayer, where the stream between
+      the sublayers is rebuilt as layer input + self_attn output (pre-norm layers without sandwich
+      norms only); attention_angular / mlp_angular: the last token's angle across it, window mean.
     """
     input_ids = torch.as_tensor(input_ids).reshape(-1, input_ids.shape[-1])
     w = input_ids.shape[0]
@@ -209,6 +214,8 @@ def reference_scores(model, input_ids: torch.Tensor) -> dict:
     heads_pre, heads_post, lag1 = [], [], []  # each [W, L, H]
     bi_sum, bi_count = torch.zeros(n_layers, dtype=F64), 0
     ang = torch.zeros(n_layers + 1, n_layers + 1, dtype=F64)
+    across = {name: torch.zeros(n_layers, dtype=F64) for name in
+              ("attention_influence", "mlp_influence", "attention_angular", "mlp_angular")}
     for window in input_ids:
         layers, _ = capture_window(model, window)
         heads_pre.append(torch.stack([gram_similarity(x["pre"]) for x in layers]))
@@ -216,6 +223,10 @@ def reference_scores(model, input_ids: torch.Tensor) -> dict:
         lag1.append(torch.stack([lag1_similarity(x["pre"]) for x in layers]))
         for i, x in enumerate(layers):
             bi_sum[i] += (1 - torch.cosine_similarity(x["h_in"], x["h_out"], dim=-1)).sum()
+            middle = x["h_in"] + x["attn_out"]
+            for unit, (a, b) in (("attention", (x["h_in"], middle)), ("mlp", (middle, x["h_out"]))):
+                across[f"{unit}_influence"][i] += (1 - torch.cosine_similarity(a, b, dim=-1)).sum()
+                across[f"{unit}_angular"][i] += _angle(a[-1], b[-1])
         bi_count += window.numel()
         states = [x["h_in"][-1] for x in layers] + [layers[-1]["h_out"][-1]]
         ang += torch.tensor(angular_matrix(states), dtype=F64)
@@ -227,4 +238,8 @@ def reference_scores(model, input_ids: torch.Tensor) -> dict:
         "block_influence": (bi_sum / bi_count).tolist(),
         "heads_q_similarity": heads_pre_t.tolist(),
         "angular_distance": (ang / w).tolist(),
+        "attention_influence": (across["attention_influence"] / bi_count).tolist(),
+        "mlp_influence": (across["mlp_influence"] / bi_count).tolist(),
+        "attention_angular": (across["attention_angular"] / w).tolist(),
+        "mlp_angular": (across["mlp_angular"] / w).tolist(),
     }

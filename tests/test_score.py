@@ -8,7 +8,7 @@ from prunetool.model.architecture import inspect_decoder
 from prunetool.select.calibration import load_calibration
 from prunetool.errors import UnsupportedModelError
 from prunetool.model.loading import load_model
-from prunetool.select.scoring import score_model
+from prunetool.select.scoring import SUBLAYER_METRICS, score_model
 from prunetool.sources import resolve_model
 from tests.reference import reference_scores
 from tests.tiny_models import ARCHITECTURES
@@ -48,6 +48,12 @@ def test_scores_match_slow_reference(arch, tiny_checkpoint, calib_file):
         _assert_close(scores.column(metric), reference[metric], f"{arch} {metric}")
     _assert_close(scores.heads["q_similarity"], reference["heads_q_similarity"], f"{arch} per-head q_similarity")
     _assert_close(scores.angular_distance, reference["angular_distance"], f"{arch} angular distance")
+    sandwich = arch.startswith("gemma")  # no stream between the sublayers that one residual branch crosses
+    for metric in SUBLAYER_METRICS:
+        if sandwich:
+            assert all(metric not in layer for layer in scores.layers), metric
+        else:
+            _assert_close(scores.column(metric), reference[metric], f"{arch} {metric}")
     layout = inspect_decoder(model)
     assert scores.num_layers == layout.num_layers and len(scores.heads["q_similarity"][0]) == layout.num_heads
     assert scores.calibration == calibration.describe()

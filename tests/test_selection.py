@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import prunetool.model.perplexity as perplexity_module
 from prunetool.select.calibration import CalibrationSet
-from prunetool.errors import OptionError
+from prunetool.errors import OptionError, PrunetoolError
 from prunetool.model.in_memory import layers_removed, prune_in_memory
 from prunetool.model.loading import load_model
 from prunetool.model.perplexity import perplexity
@@ -554,3 +554,27 @@ def test_a_remembered_give_up_answers_only_callers_whose_limit_it_exceeds():
     assert search._measure(req, None, [1], holder, give_up_above=3.5) == 4 and len(calls) == 1  # 4 > 3.5: enough
     assert search._measure(req, None, [1], holder, give_up_above=12) == truth and len(calls) == 2  # 4 <= 12: again
     assert search._measure(req, None, [1], holder) == truth and len(calls) == 2  # now exact in the memo
+
+
+def test_sublayer_units_rank_by_what_is_measured_across_the_sublayer():
+    scores = _scores(qsim=[0.9, 0.1, 0.5, 0.2], bi=[0.1, 0.2, 0.3, 0.4])  # block ranking: 0 first
+    for layer, attention, mlp, angle in zip(scores.layers, [0.4, 0.05, 0.3, 0.2], [0.01, 0.5, 0.02, 0.6],
+                                            [0.3, 0.2, 0.1, 0.4]):
+        layer.update(attention_influence=attention, mlp_influence=mlp, attention_angular=angle, mlp_angular=1 - angle)
+    assert _removed("bi", scores, 1) == (0,)
+    assert _removed("bi", scores, 2, unit="attention") == (1, 3)
+    assert _removed("bi", scores, 2, unit="mlp") == (0, 2)
+    assert _removed("angular", scores, 2, unit="attention") == (1, 2)  # not contiguous: the N smallest angles
+    assert _removed("angular", scores, 1, unit="mlp") == (3,)
+    # TAPPA at the attention unit: minmax(attention BI) = [1, 0, .714, .429], 1 - minmax(qsim) = [0, 1, .5, .875]
+    plan = make_plan("hand", "tappa", 1, scores=scores, unit="attention", beta=0.3)
+    assert plan.criterion_values == pytest.approx([1.0, 0.3, 5 / 7 + 0.15, 3 / 7 + 0.2625])
+    assert plan.removed == (1,) and plan.unit == "attention"
+
+
+def test_sublayer_criteria_refuse_scores_without_sublayer_measures():
+    scores = _scores(bi=[0.1, 0.2, 0.3, 0.4])  # as written before these columns existed, or a Gemma model
+    with pytest.raises(PrunetoolError, match="no attention_influence for layers \\[0, 1, 2, 3\\]"):
+        make_plan("hand", "bi", 1, scores=scores, unit="attention")
+    with pytest.raises(OptionError, match="does not rank mlp sublayers"):
+        make_plan("hand", "qsim", 1, scores=scores, unit="mlp")

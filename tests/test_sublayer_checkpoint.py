@@ -131,7 +131,7 @@ def test_attention_cut_keeps_no_cache_for_removed_layers(family, calib, tmp_path
     (["--unit", "mlp", "--drop", "7"], "more than the 6 MLP sublayers"),
     (["--unit", "attention", "--remove-layers", "0,1,2,3,4,5"], "all 6 attention sublayers"),
     (["--unit", "attention", "--drop", "2", "--patch"], "no fold exists"),
-    (["--unit", "attention", "--drop", "2", "--criterion", "bi"], "ranks whole layers"),
+    (["--unit", "mlp", "--drop", "2", "--criterion", "qsim"], "does not rank mlp sublayers"),
 ])
 def test_bad_sublayer_options_are_one_line_and_write_nothing(args, words, family, calib, tmp_path):
     out = tmp_path / "out"
@@ -165,3 +165,18 @@ def test_eval_and_heal_accept_the_folder(family, calib, tmp_path):
     config = json.loads((healed / "config.json").read_text())
     assert config["model_type"] == "nemotron-nas" and (healed / "modeling_decilm.py").is_file()
     assert set(tensors(healed)) == set(tensors(pruned))
+
+
+@pytest.mark.parametrize("criterion,unit", [("bi", "attention"), ("angular", "attention"), ("tappa", "attention"),
+                                            ("qsim", "attention"), ("bi", "mlp"), ("halving", "attention")])
+def test_every_sublayer_criterion_chooses_and_writes(criterion, unit, family, calib, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["prune", str(family("llama")), "--unit", unit, "--drop", "2", "--criterion", criterion,
+                                 "--calib", str(calib), "--seq-len", SEQ, "--samples", "4", "--output-dir", str(out),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "prune.json").read_text())
+    assert plan["unit"] == unit and len(plan["removed"]) == 2
+    blocks = json.loads((out / "config.json").read_text())["block_configs"]
+    gone = [i for i, block in enumerate(blocks) if block["attention" if unit == "attention" else "ffn"].get("no_op")]
+    assert gone == sorted(plan["removed"])

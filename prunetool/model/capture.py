@@ -5,7 +5,9 @@ Three taps per decoder layer, installed by `capture_scores` and always removed o
 - the attention kernel's `query` argument (after q_norm and RoPE), by wrapping the active attention
   function in transformers' attention registry: per-head self-similarity;
 - the decoder layer's input and output: Block Influence, and the last token's input for the angular
-  distance matrix.
+  distance matrix;
+- the MLP norm's input (the residual stream between the two sublayers) in plain pre-norm layers: Block
+  Influence and angular distance across each sublayer, which rank attention or MLP sublayers.
 Each hook keeps only (B, H) or (B, d) results, never (T, T) matrices or whole hidden states.
 """
 
@@ -17,7 +19,9 @@ import torch
 
 from prunetool.model.architecture import DecoderLayout
 from prunetool.errors import UnsupportedModelError
-from prunetool.model.metrics import block_influence_per_window, mean_consecutive_cosine, mean_pairwise_cosine
+from prunetool.model.metrics import (angular_distance_per_window, block_influence_per_window, mean_consecutive_cosine,
+                                     mean_pairwise_cosine)
+from prunetool.model.sublayers import SUBLAYER_MODULES, check_sublayer_layout
 
 
 @dataclass
@@ -30,6 +34,11 @@ class LayerTaps:
     block_influence: list = field(default_factory=list)  # (B,)
     last_input: list = field(default_factory=list)  # (B, d)
     last_output: list = field(default_factory=list)  # (B, d)
+    # across each sublayer, only in plain pre-norm layers (the stream between the sublayers is then the MLP norm's input)
+    attention_influence: list = field(default_factory=list)  # (B,)
+    mlp_influence: list = field(default_factory=list)  # (B,)
+    attention_angular: list = field(default_factory=list)  # (B,)
+    mlp_angular: list = field(default_factory=list)  # (B,)
 
 
 def _hidden_from(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -58,11 +67,34 @@ def _layer_hooks(taps: LayerTaps, pending: dict):
     def post_hook(module, args, kwargs, output):
         layer_in, layer_out = pending.pop(module), _output_tensor(output)
         taps.block_influence.append(block_influence_per_window(layer_in, layer_out).cpu())
+        middle = pending.pop(("middle", module), None)
+        if middle is not None:
+            for unit, (start, end) in (("attention", (layer_in, middle)), ("mlp", (middle, layer_out))):
+                getattr(taps, f"{unit}_influence").append(block_influence_per_window(start, end).cpu())
+                getattr(taps, f"{unit}_angular").append(angular_distance_per_window(start[:, -1], end[:, -1]).cpu())
         # copies: a bare slice would keep the whole (B, T, d) hidden state of every layer alive
         taps.last_input.append(layer_in[:, -1, :].to("cpu", torch.float32, copy=True))
         taps.last_output.append(layer_out[:, -1, :].to("cpu", torch.float32, copy=True))
 
     return pre_hook, post_hook
+
+
+def _middle_hook(layer, pending: dict):
+    """Keeps the residual stream between attention and MLP, the input of the MLP's norm."""
+    def hook(_module, args, kwargs):
+        pending[("middle", layer)] = _hidden_from(args, kwargs)
+
+    return hook
+
+
+def plain_pre_norm(layer) -> bool:
+    """Whether each sublayer is one residual branch behind its own norm (what a sublayer cut removes)."""
+    try:
+        check_sublayer_layout(layer, "attention")
+        check_sublayer_layout(layer, "mlp")
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 @contextmanager
@@ -104,6 +136,9 @@ def capture_scores(layout: DecoderLayout):
         pre_hook, post_hook = _layer_hooks(layer_taps, pending)
         handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
+        if plain_pre_norm(layer):
+            norm = getattr(layer, SUBLAYER_MODULES["mlp"][1])
+            handles.append(norm.register_forward_pre_hook(_middle_hook(layer, pending), with_kwargs=True))
 
     def post_rope_query(module, query, _key, _result):
         layer_taps = taps_by_attention.get(module)
@@ -127,3 +162,6 @@ def check_complete(taps: list[LayerTaps], batches: int) -> None:
                     f"unsupported architecture: layer {index} did not pass its {name.replace('_', ' ')} "
                     f"through the capture hooks ({len(getattr(layer_taps, name))} of {batches} batches)"
                 )
+        if len(layer_taps.attention_influence) not in (0, batches):
+            raise UnsupportedModelError(f"unsupported architecture: layer {index} ran its MLP norm in only "
+                                        f"{len(layer_taps.attention_influence)} of {batches} batches")

@@ -42,6 +42,12 @@ def block_influence_per_window(layer_in: torch.Tensor, layer_out: torch.Tensor) 
     return (1.0 - cos).mean(-1)
 
 
+def angular_distance_per_window(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Gromov et al.'s angular distance (1/pi) arccos(cos) between two states. (B, d) x2 -> (B,)."""
+    cos = (unit_rows(start) * unit_rows(end)).sum(-1, dtype=torch.float64).clamp(-1.0, 1.0)
+    return torch.arccos(cos) / math.pi
+
+
 def angular_distance_matrix(states: torch.Tensor) -> torch.Tensor:
     """Gromov et al.'s angular distance (1/pi) arccos(cos) between every pair of layer inputs.
 

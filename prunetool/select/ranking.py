@@ -96,7 +96,15 @@ class Selection:
     extra: dict = field(default_factory=dict)  # recorded in the plan's parameters
 
 
+# what Block Influence and angular distance are measured across, per unit (select/scoring.py)
+INFLUENCE_COLUMNS = {"block": "block_influence", "attention": "attention_influence", "mlp": "mlp_influence"}
+
+
 def column(req: SelectionRequest, metric: str) -> list[float]:
+    missing = [layer["index"] for layer in req.scores.layers if metric not in layer]
+    if missing:
+        raise PrunetoolError(f"the scores hold no {metric} for layers {missing}: it is measured only in plain "
+                             "pre-norm layers (no sandwich norms); score again if the file predates it")
     values = req.scores.column(metric)
     if len(values) != req.num_layers:
         raise PrunetoolError(f"the scores hold {len(values)} {metric} values for a {req.num_layers}-layer model; score again")
@@ -113,14 +121,17 @@ def select_tappa(req: SelectionRequest) -> Selection:
     """TAPPA (Yang et al., arXiv:2601.21709): lowest BI' = minmax(BI) + beta * (1 - minmax(qsim)) first.
 
     Min-max runs over all layers (protected ones included) so the shown values do not depend on protection.
+    With --unit attention, BI is measured across the attention sublayer.
     """
-    values = tappa_importance(column(req, "block_influence"), column(req, "q_similarity"), req.beta)
+    values = tappa_importance(column(req, INFLUENCE_COLUMNS[req.unit]), column(req, "q_similarity"), req.beta)
     return Selection(tuple(lowest(values, req.count, req.candidates)), values)
 
 
 def select_bi(req: SelectionRequest) -> Selection:
-    """ShortGPT (Men et al., arXiv:2403.03853): lowest Block Influence, 1 - cos(layer in, layer out), first."""
-    values = column(req, "block_influence")
+    """ShortGPT (Men et al., arXiv:2403.03853): lowest Block Influence, 1 - cos(layer in, layer out), first.
+
+    With a sublayer unit, 1 - cos across that sublayer (FinerCut's and LLM-Drop's similarity signal)."""
+    values = column(req, INFLUENCE_COLUMNS[req.unit])
     return Selection(tuple(lowest(values, req.count, req.candidates)), values)
 
 
@@ -130,7 +141,11 @@ def select_angular(req: SelectionRequest) -> Selection:
     angular_distance[l][l+N] compares the input of layer l with the input of layer l+N (index L is the
     final output). The block never includes the final layer (l+N <= L-1), as in the paper; ties go to
     the smaller l. Values: d(l, l+N) per possible start l, None where no block may start.
+    With a sublayer unit: the N sublayers with the smallest angular distance across themselves.
     """
+    if req.unit != "block":
+        values = column(req, f"{req.unit}_angular")
+        return Selection(tuple(lowest(values, req.count, req.candidates)), values)
     n, dist = req.count, req.scores.angular_distance
     if len(dist) != req.num_layers + 1 or any(len(row) != req.num_layers + 1 for row in dist):
         raise PrunetoolError(f"the scores' angular distance matrix is not {req.num_layers + 1}x{req.num_layers + 1}; score again")

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from prunetool.select.calibration import CalibrationSet
 
 LAYER_METRICS = ("q_similarity", "q_similarity_post_rope", "q_similarity_lag1", "block_influence")
+# measured across one sublayer, in plain pre-norm layers only (prune --unit attention|mlp ranks by them)
+SUBLAYER_METRICS = ("attention_influence", "mlp_influence", "attention_angular", "mlp_angular")
 
 
 @dataclass
@@ -68,6 +70,9 @@ def summarise_taps(taps: list[LayerTaps]) -> tuple[list[dict], dict, list[list[f
             "q_similarity_lag1": lag1.mean(1).mean(0).item(),
             "block_influence": _per_window(layer.block_influence).mean().item(),
         })
+        for name in SUBLAYER_METRICS:
+            if getattr(layer, name):
+                layers[-1][name] = _per_window(getattr(layer, name)).mean().item()
         for name, values in zip(heads, (pre, post, lag1)):
             heads[name].append(values.mean(0).tolist())
     states = [_per_window(layer.last_input) for layer in taps] + [_per_window(taps[-1].last_output)]

@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from prunetool.select.ranking import Selection, SelectionRequest, column, contiguous_blocks, guided_importance
+from prunetool.select.ranking import (INFLUENCE_COLUMNS, Selection, SelectionRequest, column, contiguous_blocks,
+                                     guided_importance)
 
 class _LowerBound(float):
     """A remembered measurement that gave up early: the set's perplexity is above this value."""
@@ -151,7 +152,7 @@ def select_guided(req: SelectionRequest) -> Selection:
     Cost: N * shortlist + blocks evaluations of a few windows, against SLEB's sum_k (C-k) over all of
     them. Values: the guided importance of every layer.
     """
-    values = guided_importance(column(req, "block_influence"), column(req, "q_similarity"), req.beta)
+    values = guided_importance(column(req, INFLUENCE_COLUMNS[req.unit]), column(req, "q_similarity"), req.beta)
     size = max(1, req.shortlist)
     windows = req.windows[: max(1, req.refine_windows)]
     blocks = contiguous_blocks(values, req.count, req.protect_first, req.num_layers - req.protect_last, req.blocks)

@@ -30,7 +30,7 @@ class Criterion:
     needs: str  # "scores", "model" (the model and calibration windows), "both" or "nothing"
     summary: str  # one line for --help and reports
     parameters: tuple[str, ...] = ()  # SelectionRequest fields recorded in the plan besides protection
-    contiguous: bool = False  # removes one block that must keep the final layer
+    contiguous: tuple[str, ...] = ()  # the units at which it removes one run that must keep the final layer
     units: tuple[str, ...] = ("block",)  # what it can remove: whole layers and/or attention or MLP sublayers
 
 
@@ -39,14 +39,16 @@ SUBLAYER_UNITS = ("block", "attention", "mlp")
 
 CRITERIA: dict[str, Criterion] = {
     "guided": Criterion(select_guided, "both", "q-similarity/BI rank proposes layer sets, calibration perplexity picks",
-                        ("beta", "shortlist", "refine_windows", "blocks", "batch_size")),
+                        ("beta", "shortlist", "refine_windows", "blocks", "batch_size"), units=("block", "attention")),
     "qsim": Criterion(select_qsim, "scores", "highest query self-similarity (most predictable queries) first",
                       units=("block", "attention")),
-    "tappa": Criterion(select_tappa, "scores", "TAPPA: lowest minmax(BI) + beta*(1 - minmax(qsim)) first", ("beta",)),
-    "bi": Criterion(select_bi, "scores", "ShortGPT: lowest block influence first"),
-    "angular": Criterion(select_angular, "scores", "Gromov et al.: contiguous block with the smallest angular distance",
-                         contiguous=True),
-    "last": Criterion(select_last, "nothing", "the N layers just before the final one", contiguous=True,
+    "tappa": Criterion(select_tappa, "scores", "TAPPA: lowest minmax(BI) + beta*(1 - minmax(qsim)) first", ("beta",),
+                       units=("block", "attention")),
+    "bi": Criterion(select_bi, "scores", "ShortGPT: lowest block influence (1 - cos across the layer or sublayer) first",
+                    units=SUBLAYER_UNITS),
+    "angular": Criterion(select_angular, "scores", "Gromov et al.: contiguous block with the smallest angular distance "
+                         "(sublayers: the N smallest across themselves)", contiguous=("block",), units=SUBLAYER_UNITS),
+    "last": Criterion(select_last, "nothing", "the N layers just before the final one", contiguous=SUBLAYER_UNITS,
                       units=SUBLAYER_UNITS),
     "ppl": Criterion(select_ppl, "model", "SLEB-style greedy: remove the layer that hurts calibration perplexity least, N times",
                      ("batch_size",), units=SUBLAYER_UNITS),
@@ -74,7 +76,8 @@ def validate_selection(criterion: str, count: int, num_layers: int, *, beta: flo
         raise OptionError(f"--unit must be one of {', '.join(SUBLAYER_UNITS)}, got {unit!r}")
     if unit not in CRITERIA[criterion].units:
         able = [name for name, spec in CRITERIA.items() if unit in spec.units]
-        raise OptionError(f"--criterion {criterion} ranks whole layers; with --unit {unit} use one of {', '.join(able)}")
+        raise OptionError(f"--criterion {criterion} does not rank {unit} sublayers; with --unit {unit} use one of "
+                          f"{', '.join(able)}")
     beta = default_beta(criterion) if beta is None else beta
     if not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
         raise OptionError(f"--beta must be a number >= 0 (TAPPA used 0.3), got {beta}")
@@ -100,7 +103,7 @@ def validate_selection(criterion: str, count: int, num_layers: int, *, beta: flo
         raise OptionError(f"--drop {count} is more than the {max(free, 0)} unprotected layers ({where}); "
                           "lower --drop, --protect-first or --protect-last")
     end = num_layers - max(1, protect_last)
-    if CRITERIA[criterion].contiguous and count > end - protect_first:
+    if unit in CRITERIA[criterion].contiguous and count > end - protect_first:
         raise OptionError(f"--criterion {criterion} removes one contiguous block and keeps the final layer: layers "
                           f"{protect_first}..{end - 1} leave room for {max(end - protect_first, 0)}, not {count}; "
                           "lower --drop, --protect-first or --protect-last")
