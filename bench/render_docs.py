@@ -182,7 +182,8 @@ for _model in HEADS_MODELS:
 # Every figure in docs/ and the command that draws it (bench/render_docs.py itself redraws the first).
 FIGURES = {"docs/quality.png": "bench/quality.py --report (from bench/results/quality.json; also make docs)",
            "docs/heads/*.png": "bench/heads_results.py (copied from the `prunetool heads` report it runs)",
-           "docs/kv.png": "bench/kv.py --plot (from bench/results/kv-*.json; also make docs)"}
+           "docs/kv.png": "bench/kv.py --plot (from bench/results/kv-*.json; also make docs)",
+           "docs/sublayer.png": "bench/sublayer.py --report (from bench/results/sublayer.json)"}
 
 
 def documents(root: Path) -> list[Path]:

@@ -212,7 +212,8 @@ def goals(results: dict) -> str:
     return "\n".join(lines)
 
 
-def report(results: dict) -> str:
+def table(results: dict) -> str:
+    """The region bench/render_docs.py writes into docs: the comparison and the goals read off it."""
     return markdown(results) + "\n\n" + goals(results)
 
 
@@ -276,7 +277,7 @@ def main() -> None:
         run(args)
     results = load_results()
     plot(results)
-    print(report(results))
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,13 @@ def _debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+def _rank_prefix() -> str:
+    """'rank 1: ' under a launcher of several ranks (each rank reports its own failure), else nothing."""
+    import os
+
+    return f"rank {os.environ.get('RANK', '0')}: " if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
+
+
 def handle_errors(command):
     """Turn every failure into one line on stderr and exit 1; `--debug` shows the traceback instead."""
 
@@ -132,7 +139,7 @@ def handle_errors(command):
         except PrunetoolError as error:
             if _debugging():
                 raise
-            err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {_rank_prefix()}{error}", highlight=False, soft_wrap=True)
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]")
             raise typer.Exit(130)
@@ -140,7 +147,8 @@ def handle_errors(command):
             if _debugging():
                 raise
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            err.print(f"[bold red]error:[/] {type(error).__name__}: {first} (rerun with --debug for the traceback)",
+            err.print(f"[bold red]error:[/] {_rank_prefix()}{type(error).__name__}: {first} (rerun with --debug for "
+                      "the traceback)",
                       highlight=False, soft_wrap=True)
         raise typer.Exit(1)
 
@@ -456,6 +464,8 @@ HealOutputOpt = Annotated[Optional[Path], typer.Option("--output-dir", help="Fol
 HealDtypeOpt = Annotated[str, typer.Option("--dtype", help="Teacher and verification dtype: auto (float32 on CPU, "
                          "bfloat16 on GPU), float32, bfloat16, float16. With bfloat16 the student keeps float32 "
                          "weights and trains under bf16 autocast (2.5x faster on CPUs with AMX).")]
+ReportToOpt = Annotated[Optional[str], typer.Option("--report-to", help="Log loss and learning rate to an "
+                        "accelerate tracker: tensorboard or wandb (default: none).")]
 
 
 @app.command()
@@ -484,10 +494,13 @@ def heal(
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadOpt = None,
+    report_to: ReportToOpt = None,
     json_out: JsonOpt = False,
     trust_remote_code: TrustOpt = False,
 ):
-    """Heal a pruned model by distilling its base's next-token distributions into it (forward KL)."""
+    """Heal a pruned model by distilling its base's next-token distributions into it (forward KL).
+
+    Runs as one process, or data parallel under `accelerate launch -m prunetool heal` or `torchrun`."""
     from prunetool.commands.heal import HealRequest, run_heal
 
     request = HealRequest(placement=placement_for(device_map, max_memory, offload_dir),
@@ -495,8 +508,10 @@ def heal(
                           train=train, lora_rank=lora_rank, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                           temperature=temperature, ce_weight=ce_weight, save_every=save_every, resume=resume,
                           output=output_dir, force=force, verify=verify, dtype=dtype, device=device,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, report_to=report_to)
     result = run_heal(request, err)
+    if result["output"] is None:  # a rank other than the main one: the main one prints
+        return
     heal = result["heal"]
     if json_out:
         typer.echo(json.dumps({"output": result["output"], "heal": heal, "verification": result["verification"]}))

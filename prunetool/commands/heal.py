@@ -37,8 +37,10 @@ from prunetool.progress import window_progress
 from prunetool.output.runs import current_pruned, current_run_path
 from prunetool.sources import model_key, resolve_model
 from prunetool.checkpoint.verify import VerifySetting, verify_checkpoint
+from prunetool.repair.distributed import check_launch, open_world, sharded_launch
 
 TRAIN_MODES = ("lora", "adjacent", "all")
+REPORT_TO = ("tensorboard", "wandb")
 DEFAULT_LR = {"lora": 1e-3, "adjacent": 2e-5, "all": 2e-5}  # lora: bench/results/repair_heal_lr.json
 LORA_ALPHA_PER_RANK = 2  # lora_alpha = 2 r: merged update B @ A * 2
 
@@ -71,6 +73,7 @@ class HealRequest:
     placement: object = None  # loading.Placement: teacher and student spread over devices by accelerate
     seed: int = 0
     trust_remote_code: bool = False
+    report_to: str | None = None  # an accelerate tracker (tensorboard, wandb); None: no tracker
 
 
 def check_options(request: HealRequest) -> None:
@@ -91,6 +94,16 @@ def check_options(request: HealRequest) -> None:
         raise OptionError(f"--ce-weight must be in [0, 1], got {request.ce_weight}")
     if request.lr is not None and not request.lr > 0:
         raise OptionError(f"--lr must be positive, got {request.lr}")
+    if request.report_to is not None and request.report_to not in REPORT_TO:
+        raise OptionError(f"--report-to must be one of {', '.join(REPORT_TO)}, got {request.report_to!r}")
+    if request.report_to is not None:
+        from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+        if not {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}[request.report_to]():
+            raise OptionError(f"--report-to {request.report_to}: the {request.report_to} package is not installed "
+                              f"(pip install {request.report_to})")
+    check_launch(global_batch=request.batch_size * request.grad_accum, batch_size=request.batch_size,
+                 placement=request.placement, save_every=request.save_every, resume=request.resume)
 
 
 def student_folder(request: HealRequest) -> tuple[Path, dict | None]:
@@ -251,13 +264,25 @@ def disk_names(folder: Path, model, names: list[str]) -> dict[str, tuple[str, to
 
 def heal_progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=console, transient=True)
+                    TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console, transient=True)
 
 
 def report_step(progress: Progress, task, step: int, loss: float) -> None:
     """One finished optimizer step (the tests replace this to interrupt a run)."""
     progress.update(task, completed=step, loss=f"{loss:.4f}")
+
+
+def step_reporter(progress: Progress, task, tokens_per_step: int, first_step: int):
+    """report_step plus tokens/s of the whole run (every rank's tokens: the global batch per step)."""
+    clock = time.perf_counter()
+
+    def on_step(step: int, loss: float) -> None:
+        report_step(progress, task, step, loss)
+        speed = (step - first_step) * tokens_per_step / max(time.perf_counter() - clock, 1e-9)
+        progress.update(task, speed=f"{speed:,.0f} tok/s")
+
+    return on_step
 
 
 def loss_summary(losses: list[float]) -> dict:
@@ -322,7 +347,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
     held-out text, setting, fingerprint, the record) would otherwise be passed between helpers; the stages
     that stand alone (student_folder, training_windows, prepare_student, trained_tensors) are functions.
     """
-    from prunetool.repair.train import TrainConfig, train
+    from prunetool.repair.train import TrainConfig, load_checkpoint, train
     from prunetool.checkpoint.surgery import write_replaced_checkpoint
     from prunetool.checkpoint.surgery.output import check_output
 
@@ -345,15 +370,24 @@ def run_heal(request: HealRequest, console: Console) -> dict:
 
     clock = time.perf_counter()
     target = pick_device(request.device)
+    if sharded_launch() and target.type == "cpu":
+        raise OptionError(f"accelerate runs {sharded_launch()} only on GPUs (on CPU it would silently train "
+                          "unsharded); use a DDP launch on CPU: accelerate launch --multi_gpu --num_processes N")
+    world = open_world(cpu=target.type == "cpu", global_batch=per_step, batch_size=request.batch_size,
+                       report_to=request.report_to, project_dir=checkpoint_dir.parent)
+    if world.distributed:  # every rank on its own device (cuda:LOCAL_RANK), and only the main rank speaks
+        target = world.accelerator.device
+        console = console if world.main else Console(stderr=True, quiet=True)
     setting = VerifySetting(pick_dtype(request.dtype, target), target)
+    device = str(target) if world.distributed else request.device
     teacher_spec = request.teacher or record["source_path"]
     teacher_source = resolve_model(teacher_spec, trust_remote_code=request.trust_remote_code)
     student_source = resolve_model(str(folder), trust_remote_code=request.trust_remote_code)
-    teacher, teacher_tokenizer = load_model(teacher_source, dtype=request.dtype, device=request.device,
+    teacher, teacher_tokenizer = load_model(teacher_source, dtype=request.dtype, device=device,
                                             trust_remote_code=request.trust_remote_code, placement=request.placement)
     # the student trains in float32 (AdamW on bfloat16 weights loses small updates); with --dtype bfloat16 its
     # matmuls run under bf16 autocast, on GPU and CPU alike (2.5x faster on a CPU with AMX: docs/repair.md)
-    student, tokenizer = load_model(student_source, dtype="float32", device=request.device,
+    student, tokenizer = load_model(student_source, dtype="float32", device=device,
                                     trust_remote_code=request.trust_remote_code, placement=request.placement)
     if offloaded_to_disk(student):  # training writes into the weights, which would sit on `meta`
         raise OptionError("heal trains the student's weights, so none may be offloaded to disk; raise --max-memory "
@@ -367,7 +401,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
     console.print(f"loaded student, teacher and {count} training windows in {time.perf_counter() - clock:.1f}s",
                   highlight=False)
 
-    before = perplexity(student, held_out)
+    before = perplexity(student, held_out) if world.main else None  # the others wait in the first all-reduce
     model, trained = prepare_student(student, request, record)
     fingerprint = {"student": str(folder), "teacher": str(teacher_source.path), "train": request.train,
                    "lora_rank": request.lora_rank if request.train == "lora" else None, "tokens": request.tokens,
@@ -379,12 +413,23 @@ def run_heal(request: HealRequest, console: Console) -> dict:
                          autocast_bf16=setting.dtype == torch.bfloat16,
                          fingerprint=fingerprint)
     torch.manual_seed(request.seed)
+    world.track(dataclasses.asdict(request) | {"steps": steps, "world_size": world.size})
+    first_step = load_checkpoint(checkpoint_dir, config)["step"] if request.resume else 0
     with heal_progress(console) as progress:
-        task = progress.add_task(f"heal ({request.train})", total=steps, loss="-")
+        task = progress.add_task(f"heal ({request.train}, {world.size} rank{'s' * (world.size > 1)})", total=steps,
+                                 loss="-", speed="")
         result = train(model, teacher, windows, config, checkpoint_dir=checkpoint_dir,
-                       save_every=request.save_every, resume=request.resume,
-                       on_step=lambda step, loss: report_step(progress, task, step, loss))
+                       save_every=request.save_every, resume=request.resume, world=world,
+                       on_step=step_reporter(progress, task, per_step * request.seq_len, first_step))
     del teacher
+    world.finish()
+    if not world.main:  # the main rank writes, verifies and records; a failure there fails the launch
+        return {"output": None, "rank": world.rank}
+    if result.full_state is not None:  # sharded training: an unsharded student on this rank takes the weights
+        student, _ = load_model(student_source, dtype="float32", device=str(target),
+                                trust_remote_code=request.trust_remote_code)
+        model, _ = prepare_student(student, request, record)
+        model.load_state_dict(result.full_state)
     student, adapters, replacements = trained_tensors(model, student, request.train, folder)
     student.to(setting.dtype)
     after = perplexity(student, held_out)
@@ -400,6 +445,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
             "tokens_per_second": round((steps - (result.resumed_from or 0)) * per_step * request.seq_len
                                        / max(result.seconds, 1e-9), 2),
             "resumed_from_step": result.resumed_from, "loss_summary": loss_summary(result.losses),
+            "world_size": world.size, "micro_batch": world.micro_batch, "micro_batches_per_rank": world.micro_batches,
             "perplexity": {"before": before, "after": after, "held_out": held, "before_dtype": "float32",
                            "after_dtype": str(setting.dtype).removeprefix("torch.")},
             "tensors": sorted(replacements), "command": heal_command(request, folder)}

@@ -24,6 +24,7 @@ from prunetool.checkpoint_io import staged_folder
 from prunetool.model.loading import input_device
 from prunetool.errors import TrainingError
 from prunetool.repair.distill import distill_loss, lr_factor, warmup_steps
+from prunetool.repair.distributed import World
 
 CHECKPOINT_FILE = "state.pt"
 
@@ -52,6 +53,7 @@ class TrainResult:
     steps: int
     seconds: float  # of this process's training (a resumed run: the part after resuming)
     resumed_from: int | None
+    full_state: dict | None = None  # sharded training (FSDP, ZeRO-3): the gathered state dict, on the main rank
 
 
 def rng_state() -> dict:
@@ -97,12 +99,15 @@ def load_checkpoint(folder: Path, config: TrainConfig) -> dict:
 
 def train(student, teacher, windows: torch.Tensor, config: TrainConfig, *, checkpoint_dir: Path | None = None,
           save_every: int | None = None, resume: bool = False,
-          on_step: Callable[[int, float], None] | None = None) -> TrainResult:
+          on_step: Callable[[int, float], None] | None = None, world: World | None = None) -> TrainResult:
     """Distil `teacher` into the trainable parameters of `student` over `windows` (N, T), in order.
 
-    Needs N >= steps * batch_size * grad_accum. A non-finite loss stops training with a TrainingError
-    before the step is applied; the caller then publishes nothing.
+    Needs N >= steps * batch_size * grad_accum. Under a launcher each rank takes its contiguous share of every
+    step's global batch (`world`); losses are the mean over all ranks. Only the main rank writes checkpoints.
+    A non-finite loss stops training with a TrainingError before the step is applied; the caller then
+    publishes nothing (under a launcher the failing rank's exit stops the others).
     """
+    world = world or World(micro_batch=config.batch_size, micro_batches=config.grad_accum)
     device = input_device(student)  # where its embedding is: the first device of a spread (--device-map) model
     parameters = list(trainable(student).values())
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
@@ -120,15 +125,20 @@ def train(student, teacher, windows: torch.Tensor, config: TrainConfig, *, check
     per_step = config.batch_size * config.grad_accum
     if windows.shape[0] < config.steps * per_step:
         raise TrainingError(f"{windows.shape[0]} training windows for {config.steps} steps of {per_step}")
+    unwrapped = student
+    student, optimizer = world.prepare(student, optimizer)  # after resuming: DDP broadcasts rank 0's weights
+    teacher = world.prepare_teacher(teacher)
+    share = world.micro_batch * world.micro_batches  # this rank's windows per step
     student.train()
     teacher.eval()
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16)
     clock = time.perf_counter()
     for step in range(start, config.steps):
         total = 0.0
-        for _ in range(config.grad_accum):
-            batch = windows[position:position + config.batch_size].to(device)
-            position += config.batch_size
+        first = position + world.rank * share
+        for micro in range(world.micro_batches):
+            start_row = first + micro * world.micro_batch
+            batch = windows[start_row:start_row + world.micro_batch].to(device)
             teacher_logits = None
             if config.ce_weight < 1.0:  # plain fine-tuning (a = 1) never reads the teacher
                 with torch.no_grad(), autocast:
@@ -143,18 +153,25 @@ def train(student, teacher, windows: torch.Tensor, config: TrainConfig, *, check
             if not math.isfinite(value):
                 raise TrainingError(f"the loss became {value} at step {step + 1}; nothing was written (lower "
                                     "--lr, or use --dtype float32); checkpoints written so far are kept")
-            (loss / config.grad_accum).backward()
-            total += value / config.grad_accum
-        torch.nn.utils.clip_grad_norm_(parameters, config.clip)
+            world.backward(student, loss)
+            total += value / world.micro_batches
+        position += per_step
+        world.clip(student, parameters, config.clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        total = world.mean(total)
         losses.append(total)
         done = step + 1
         if checkpoint_dir is not None and save_every and done % save_every == 0 and done < config.steps:
-            save_checkpoint(checkpoint_dir, model=student, optimizer=optimizer, scheduler=scheduler, step=done,
-                            position=position, losses=losses, config=config)
+            if world.main:
+                save_checkpoint(checkpoint_dir, model=unwrapped, optimizer=optimizer, scheduler=scheduler, step=done,
+                                position=position, losses=losses, config=config)
+            world.wait()  # no rank runs ahead of a checkpoint a resumed run would start from
         if on_step is not None:
             on_step(done, total)
+        world.log({"loss": total, "lr": scheduler.get_last_lr()[0]}, step=done)
     student.eval()
-    return TrainResult(losses, config.steps, time.perf_counter() - clock, resumed_from)
+    seconds = time.perf_counter() - clock
+    full_state = world.accelerator.get_state_dict(student) if world.sharded else None  # every rank gathers
+    return TrainResult(losses, config.steps, seconds, resumed_from, full_state)
