@@ -15,7 +15,12 @@
 # RESULTS [unset; a NAME writes the summary to bench/results/NAME.json for docs/pruning.md], REPAIR [unset; N adds
 # --patch to prune and a heal of N tokens after it: the repair path on the device], SCALE [unset; 1 adds the same
 # prune with --low-memory (the layer-streamed executor: same layers? byte-identical tensors?) and a score with
-# --device-map auto (largest difference from the plain score)].
+# --device-map auto (largest difference from the plain score)], SUBLAYER [unset; 1 adds prune --unit attention
+# --drop $DROP and serves the written nemotron-nas folder with vLLM against transformers (bench/vllm_serve_check.py:
+# greedy tokens and log-probabilities; needs vllm installed)], HEAL_LAUNCH [unset; ddp, fsdp2 or zero3 heals the
+# pruned model HEAL_TOKENS (16384) tokens twice with the same global batch, once in one process and once under
+# accelerate launch --config_file configs/accelerate/$HEAL_LAUNCH.yaml --num_processes $HEAL_RANKS (default: every
+# GPU; 1 GPU still wraps the model for FSDP2/ZeRO-3): final losses and held-out perplexity side by side].
 # Each step's stdout goes to $OUT/<step>.out and its stderr to $OUT/<step>.log; a failing step is named
 # on stderr (gpu_check: FAILED at step '...') after the end of its output, and the script exits 1.
 set -euo pipefail
@@ -96,6 +101,19 @@ if [[ -n "${SCALE:-}" ]]; then  # after eval: these record runs of their own
     step score_device_map "${PRUNETOOL[@]}" score "$MODEL" "${COMMON[@]}" --samples "$SAMPLES" "${SEQ[@]}" \
         --device-map auto --output-file "$OUT/scores-device-map.json"
 fi
+if [[ -n "${SUBLAYER:-}" ]]; then  # an attention-pruned folder served by vLLM's nemotron_nas model
+    step prune_attention "${PRUNETOOL[@]}" prune "$MODEL" --unit attention --drop "$DROP" "${COMMON[@]}" "${SEQ[@]}" \
+        --samples "$SAMPLES" --output-dir "$OUT/pruned-attention" --force --json
+    step vllm_serve "$PYTHON" bench/vllm_serve_check.py "$OUT/pruned-attention" --dtype "$DTYPE"
+fi
+if [[ -n "${HEAL_LAUNCH:-}" ]]; then  # heal under accelerate launch against one process, same global batch
+    HEAL_RANKS=${HEAL_RANKS:-$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
+    HEAL_ARGS=(heal "$OUT/pruned" --tokens "${HEAL_TOKENS:-16384}" --seq-len 256 --batch-size 2
+               --grad-accum $((2 * HEAL_RANKS)) --train all --dtype "$DTYPE" --force --json)
+    step heal_one_process "${PRUNETOOL[@]}" "${HEAL_ARGS[@]}" --device "$DEVICE" --output-dir "$OUT/healed-one"
+    step heal_launched "$PYTHON" -m accelerate.commands.launch --config_file "configs/accelerate/$HEAL_LAUNCH.yaml" \
+        --num_processes "$HEAL_RANKS" -m prunetool "${HEAL_ARGS[@]}" --output-dir "$OUT/healed-launched"
+fi
 
 # What the run is for: the checks held in $DTYPE on $DEVICE, and by how much.
 NUMBERS=$("$PYTHON" - "$OUT" <<'EOF'
@@ -124,6 +142,17 @@ if (out / "prune_streamed.out").exists():
     scale = (f"; --low-memory prune removed {streamed['plan']['removed']}, tensors identical to the in-memory prune: "
              f"{digest(out / 'pruned') == digest(out / 'pruned-streamed')}, peak RSS {streamed['peak_rss_bytes'] / 2**30:.2f} GiB; "
              f"--device-map auto scores differ by at most {largest:.2e}")
+if (out / "vllm_serve.out").exists():
+    served = json.loads((out / "vllm_serve.out").read_text().strip().splitlines()[-1])
+    scale += (f"; vLLM served the attention-pruned folder ({served['attention_no_op_layers']} no-op attention layers): "
+              f"greedy tokens agree on {100 * served['mean_agreeing_fraction']:.0f}% of positions before any difference, "
+              f"log-probability gap at most {served['max_logprob_gap']:.3f}")
+if (out / "heal_launched.out").exists():
+    last = lambda name: json.loads([l for l in (out / name).read_text().splitlines() if l.startswith("{")][-1])["heal"]
+    one, launched = last("heal_one_process.out"), last("heal_launched.out")
+    scale += (f"; heal all under {launched['world_size']} launched rank(s): final loss {launched['loss_summary']['last']:.5f} vs "
+              f"{one['loss_summary']['last']:.5f} in one process, held-out ppl {launched['perplexity']['after']:.3f} vs "
+              f"{one['perplexity']['after']:.3f}")
 print(f"removed {record['removed']}; held-out ppl {ppl['before']:.3f} -> {ppl['after']:.3f}; reloaded "
       f"{check['perplexity']:.3f} (relative gap {gap:.2e}, rtol {check['perplexity_rtol']}); {cache}; "
       f"eval heldout_ppl {', '.join(f'{k} {v:.3f}' for k, v in held.items())}{scale}")

@@ -59,6 +59,11 @@ def stamped(module: str) -> Callable[[dict], str]:
     return lambda results: stamp(results) + "\n\n" + importlib.import_module(module).table(results)
 
 
+def stamped_with_goals(module: str) -> Callable[[dict], str]:
+    """`stamped(module)`, then the script's `goals(results)`: what was asked, read off the same numbers."""
+    return lambda results: stamped(module)(results) + "\n\n" + importlib.import_module(module).goals(results)
+
+
 def heads_table(kind: str) -> Callable[[dict], str]:
     """One of bench/heads_markdown.py's tables of a heads-MODEL.json."""
     return lambda results: "\n".join(getattr(importlib.import_module("heads_markdown"), kind)(results["heads"]))
@@ -153,6 +158,11 @@ REGIONS: dict[str, Region] = {
     "repair-heal-goals-h200": Region("bench/repair_heal.py", ("repair_heal-smollm2-135m-6-h200.json",),
                                      lambda r: importlib.import_module("repair_heal").goals(r)),
     "heal-step": Region("bench/heal_step.py", ("heal_step.json",), stamped("heal_step")),
+    "heal-loop": Region("bench/heal_loop.py", ("heal_loop.json",), stamped_with_goals("heal_loop")),
+    "heal-distributed": Region("bench/heal_distributed.py", ("heal_distributed.json",),
+                               stamped_with_goals("heal_distributed")),
+    "heal-ranks": Region("bench/scale_model.py", ("scale_model.json",),
+                         lambda r: importlib.import_module("scale_model").heal_table(r)),
     "score-overhead": Region("bench/score_overhead.py", ("score_overhead.json",), stamped("score_overhead")),
     "prune-write": Region("bench/prune_write.py", ("prune_write.json",), stamped("prune_write")),
     "quality": Region("bench/quality.py", ("quality.json",), lambda r: importlib.import_module("quality").report_markdown(r)),

@@ -12,8 +12,19 @@ The model counts what each command holds at its peak and how many layer-token fo
 - time: 2 x parameters FLOPs per token forward (6 x for a training step), at an assumed achieved rate
   (--tflops, default 300 TFLOP/s: about 40% of an H100's bf16 peak; small batches reach less).
 
+Heal on several GPUs (`heal_ranks`): per-GPU bytes of one rank for LoRA (r=8 on every projection) and all
+weights, on 1 GPU and on 8 under DDP, FSDP2 and ZeRO-3 as configs/accelerate/ ships them:
+
+- teacher 2 bytes/parameter, sharded under FSDP2 (heal prepares it like the student), a replica otherwise;
+- float32 student (the pruned model: a quarter of the layers removed) 4 bytes/parameter, sharded under
+  FSDP2 and ZeRO-3 plus two gathered layers (the one running and the one prefetched);
+- trainable parameters t (LoRA: r x (in + out) per projection; all: the student): float32 gradients 4t and
+  AdamW's two moments 8t, sharded under FSDP2 and ZeRO-3; DDP adds its 4t of gradient buckets;
+- activations of one rank's micro-batch (heal's default 4 x 256 tokens) as in the one-GPU heal row.
+
 The check: the same formulas for Gemma 3 270M against bench/results/score_memory.json (peak RSS of score,
-default and --low-memory) and for SmolLM2 against the halving search's measured time
+default and --low-memory), the heal formulas for SmolLM2 on the CPU (float32 teacher, one process and each
+of 2 DDP ranks) against bench/results/heal_distributed.json's peak RSS, and for SmolLM2 against the halving search's measured time
 (bench/results/dry_run_time.json) with the CPU rate that bench/results/cut_engine_speed.json implies.
 
 Run:   .venv/bin/python bench/scale_model.py
@@ -54,6 +65,50 @@ def layer_params(c: dict) -> int:
 def model_params(c: dict) -> int:
     embeddings = c["vocab"] * c["d"] * (1 if c["tied"] else 2)
     return c["layers"] * layer_params(c) + embeddings + c["d"]
+
+
+LORA_RANK = 8
+LAUNCHES = {"1 GPU": (1, None), "DDP x 8": (8, "ddp"), "FSDP2 x 8": (8, "fsdp2"), "ZeRO-3 x 8": (8, "zero3")}
+
+
+def lora_params(c: dict, layers: int, rank: int = LORA_RANK) -> int:
+    """LoRA's A and B for q, k, v, o, gate, up and down: r x (in + out) each."""
+    q, kv = c["heads"] * c["head_dim"], c["kv"] * c["head_dim"]
+    shapes = [(c["d"], q), (c["d"], kv), (c["d"], kv), (q, c["d"]), (c["d"], c["ff"]), (c["d"], c["ff"]), (c["ff"], c["d"])]
+    return layers * rank * sum(i + o for i, o in shapes)
+
+
+def heal_rank_bytes(c: dict, *, student_layers: int, train: str, ranks: int, launch: str | None,
+                    micro_batch: int, seq: int, teacher_bytes: int = 2, activation_bytes: int = 2) -> dict:
+    """What one rank of heal holds at its peak, by part (bytes)."""
+    n = model_params(c)
+    student = model_params(c | {"layers": student_layers})
+    trainable = lora_params(c, student_layers) if train == "lora" else student
+    sharded = launch in ("fsdp2", "zero3")
+    gathered = 2 * 4 * layer_params(c)  # the layer running and the one prefetched, float32
+    parts = {
+        "teacher": teacher_bytes * n / (ranks if launch == "fsdp2" else 1)
+                   + (2 * teacher_bytes * layer_params(c) if launch == "fsdp2" else 0),
+        "student": 4 * student / ranks + gathered if sharded else 4 * student,
+        "gradients and AdamW": 12 * trainable / ranks if sharded else 12 * trainable,
+        "DDP buckets": 4 * trainable if launch == "ddp" else 0,
+        "activations and logits": micro_batch * seq * student_layers * (10 * c["d"] + 3 * c["ff"]) * activation_bytes
+                                  + 3 * 4 * micro_batch * seq * c["vocab"],
+    }
+    if train == "lora" and sharded:
+        parts["student"] = 4 * (student - trainable) / ranks + gathered + 4 * trainable / ranks
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def heal_ranks(c: dict, drop: int) -> list[dict]:
+    rows = []
+    for train in ("lora", "all"):
+        for label, (ranks, launch) in LAUNCHES.items():
+            parts = heal_rank_bytes(c, student_layers=c["layers"] - drop, train=train, ranks=ranks, launch=launch,
+                                    micro_batch=HEAL_BATCH, seq=HEAL_SEQ)
+            rows.append({"train": train, "launch": label, "ranks": ranks, "bytes": parts})
+    return rows
 
 
 def halving_layer_tokens(c: dict, drop: int) -> tuple[float, float]:
@@ -129,15 +184,36 @@ def interpreter_rss() -> int:
     return usage.ru_maxrss * 1024
 
 
+def smollm_config() -> dict:
+    config = json.loads((Path.home() / ".cache" / "prunetool" / "models" / "smollm2-135m" / "config.json").read_text())
+    return dict(layers=config["num_hidden_layers"], d=config["hidden_size"], ff=config["intermediate_size"],
+                heads=config["num_attention_heads"], kv=config["num_key_value_heads"],
+                head_dim=config["hidden_size"] // config["num_attention_heads"], vocab=config["vocab_size"], tied=True)
+
+
+def heal_check(baseline: int) -> dict:
+    """heal's per-rank formula on SmolLM2 (CPU: float32 teacher and activations) against the measured peaks."""
+    measured = json.loads((RESULTS / "heal_distributed.json").read_text())
+    setting, c = measured["setting"], smollm_config()
+    rows = []
+    for train, row in measured["rows"].items():
+        for run, ranks, launch, micro in (("one", 1, None, 2), ("two", 2, "ddp", 2)):
+            parts = heal_rank_bytes(c, student_layers=c["layers"] - len(setting["removed"]), train=train, ranks=ranks,
+                                    launch=launch, micro_batch=micro, seq=setting["seq_len"], teacher_bytes=4,
+                                    activation_bytes=4)
+            rows.append({"train": train, "run": "1 process" if ranks == 1 else "each of 2 DDP ranks",
+                         "predicted_bytes": baseline + parts["total"],
+                         "measured_peak_rss": row[run].get("training_peak_rss", row[run]["peak_rss"]),
+                         "measured": "training" if "training_peak_rss" in row[run] else "whole command"})
+    return {"interpreter_rss": baseline, "rows": rows}
+
+
 def smollm_check() -> dict:
     """The halving search's forward count on SmolLM2 -6 at the CPU rate measured by the cut engine bench."""
     speed = json.loads((RESULTS / "cut_engine_speed.json").read_text())
     row = next(r for r in speed["rows"] if r["model"] == "smollm2-135m" and not r["cut"])
     setting = speed["setting"]
-    config = json.loads((Path.home() / ".cache" / "prunetool" / "models" / "smollm2-135m" / "config.json").read_text())
-    c = dict(layers=config["num_hidden_layers"], d=config["hidden_size"], ff=config["intermediate_size"],
-             heads=config["num_attention_heads"], kv=config["num_key_value_heads"],
-             head_dim=config["hidden_size"] // config["num_attention_heads"], vocab=config["vocab_size"], tied=True)
+    c = smollm_config()
     per_layer = layer_params(c)
     # full forwards of every candidate cut: candidates x windows x seq tokens through all kept layers + lm_head
     tokens = row["candidates"] * setting["windows"] * setting["seq_len"]
@@ -177,6 +253,30 @@ def table(results: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def heal_table(results: dict) -> str:
+    """Per-GPU bytes of heal on 8B and 70B by launch, and the check against the CPU runs."""
+    parts = ("teacher", "student", "gradients and AdamW", "DDP buckets", "activations and logits")
+    lines = ["Per GPU, one rank's peak; student = the model with a quarter of its layers removed; micro-batch 4 x 256 "
+             "tokens per rank; bfloat16 teacher and activations, float32 student.", ""]
+    for name, rows in results["heal_ranks"].items():
+        lines += [f"**{name}**", "", "| train | launch | " + " | ".join(parts) + " | per GPU | fits 80 GiB |",
+                  "|---|---|" + "---:|" * (len(parts) + 1) + "---|"]
+        for row in rows:
+            b = row["bytes"]
+            lines.append(f"| {row['train']} | {row['launch']} | " + " | ".join(gib(b[p]) if b[p] else "" for p in parts)
+                         + f" | **{gib(b['total'])}** | {'yes' if b['total'] <= 80 * GIB else 'no'} |")
+        lines.append("")
+    check = results["check"].get("heal")
+    if check:
+        lines += [f"The same formula against heal on SmolLM2 on this CPU (float32 teacher and activations, micro-batch "
+                  f"2 x 256; prediction + {gib(check['interpreter_rss'])} for the imports; `bench/heal_distributed.py`):", "",
+                  "| train | run | predicted peak | measured peak RSS |", "|---|---|---:|---:|"]
+        lines += [f"| {r['train']} | {r['run']} | {gib(r['predicted_bytes'])} | {gib(r['measured_peak_rss'])} "
+                  f"({r['measured']}) |"
+                  for r in check["rows"]]
+    return "\n".join(lines).rstrip()
+
+
 def check_table(results: dict) -> str:
     g, s = results["check"]["gemma"], results["check"]["smollm"]
     lines = ["| check | predicted | measured here |", "|---|---:|---:|"]
@@ -196,11 +296,16 @@ def main() -> None:
     results = {"tflops": args.tflops, "drops": drops,
                "params": {name: model_params(c) for name, c in LLAMA.items()},
                "models": {name: commands(c, drops[name], args.tflops) for name, c in LLAMA.items()},
+               "heal_ranks": {name: heal_ranks(c, drops[name]) for name, c in LLAMA.items()},
                "check": {"gemma": gemma_check(), "smollm": smollm_check()}}
+    if (RESULTS / "heal_distributed.json").exists():
+        results["check"]["heal"] = heal_check(results["check"]["gemma"]["interpreter_rss"])
     write_results("scale_model", results)
     print(table(results))
     print()
     print(check_table(results))
+    print()
+    print(heal_table(results))
 
 
 if __name__ == "__main__":

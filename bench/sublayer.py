@@ -8,13 +8,15 @@ at --unit attention), each with its selection time. Block cuts are chosen by the
 Every selection sees only the first 16 x 512-token C4 windows. Every cut is applied in memory and
 judged on two held-out texts no selection saw: the usual WikiText-2 test windows (16 x 512 tokens)
 and the next 16 x 512-token C4 windows after the selection ones (same domain as the calibration).
-Parameters, KV-cache bytes per token and decode tokens/s (eval's efficiency measurement, median of
-5) are measured for every row in one pass of one process, so the ratios compare like with like.
+Parameters, KV-cache bytes per token and decode tokens/s (eval's efficiency measurement) are measured
+for every row in one process; with `--efficiency`, in 3 interleaved passes (`--rounds`); a speed is the median over passes of the row's
+ratio to the base of the same pass, and the table shows its range, which is this CPU's noise.
 `--accuracy` adds lm-eval mean accuracy on the four local tasks (500 documents each) for the base
-and the default cuts (`--accuracy-rows all` for every row).
+and the default cuts (`--accuracy-rows all` for every row, or a comma-separated list of row keys).
 
 Run:   .venv/bin/python bench/sublayer.py                 # perplexity, efficiency, selection time
        .venv/bin/python bench/sublayer.py --accuracy      # adds lm-eval accuracy
+       .venv/bin/python bench/sublayer.py --efficiency    # every row's speeds again (3 passes, ~17 min)
        .venv/bin/python bench/sublayer.py --report        # tables and docs/sublayer.png from the cache only
 Results are cached in bench/results/sublayer.json (delete a row to measure it again).
 """
@@ -37,7 +39,8 @@ SEQ_LEN, SAMPLES, EVAL_WINDOWS, PPL_WINDOWS = 512, 16, 16, 4
 CALIBRATION = "c4_en_sample_1000.jsonl"
 ATTENTION_DROPS, BLOCK_DROPS = (6, 9, 12), (3, 6, 9)
 ATTENTION_CRITERIA = ("halving", "qsim", "tappa", "bi", "angular", "ppl")
-EFFICIENCY_REPEATS = 5
+EFFICIENCY_REPEATS, EFFICIENCY_PASSES = 3, 3
+SPEEDS = ("prefill_tokens_per_second", "decode_tokens_per_second")
 PLOT = ROOT / "docs" / "sublayer.png"
 TASKS = ("lambada_openai", "arc_easy", "piqa", "winogrande")
 
@@ -73,8 +76,8 @@ def efficiency(model, removed: list[int], unit: str) -> dict:
 
 
 def accuracy(model, tokenizer, removed: list[int], unit: str, limit: int) -> dict:
-    from prunetool.evaluation.runner import evaluate_tasks, make_lm
-    from prunetool.evaluation.tasks import TaskManagers, data_dir_from, plan_tasks
+    from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, make_lm
+    from prunetool.evaluation.tasks import data_dir_from, plan_tasks
     from prunetool.model.runner import removed_units
 
     data_dir = data_dir_from(DATA)
@@ -121,17 +124,40 @@ def run(args) -> None:
         if "c4_perplexity" not in row:
             row["c4_perplexity"] = cut_perplexity(model, calibration.held_out, removed=row["removed"], unit=unit)
             save_results(results)
-        wanted = args.accuracy_rows == "all" or criterion == "halving" or drop == 0
+        wanted = (args.accuracy_rows == "all" or (args.accuracy_rows == "default" and criterion == "halving")
+                  or drop == 0 or key in args.accuracy_rows.split(","))
         if args.accuracy and wanted and "accuracy" not in row:
             row["accuracy"] = accuracy(model, tokenizer, row["removed"], unit, args.accuracy_limit)
             print(f"{key}: accuracy {row['accuracy']['mean']:.4f}", file=sys.stderr, flush=True)
             save_results(results)
     if args.efficiency or any("efficiency" not in row for row in results["rows"].values()):
-        for key, row in results["rows"].items():  # one pass, one process: timings comparable across rows
-            row["efficiency"] = efficiency(model, row["removed"], row["unit"])
-            print(f"{key}: decode {row['efficiency']['decode_tokens_per_second']:.1f} tok/s", file=sys.stderr,
-                  flush=True)
+        measure_rounds(results, model, args.rounds)
         save_results(results)
+
+
+def measure_rounds(results: dict, model, rounds: int) -> None:
+    """Every row's efficiency in `rounds` interleaved passes of this process (odd passes in reverse order, so
+    drift of the machine lands on every row alike); speeds are each row's ratio to the base of the same pass,
+    median over passes, with the range kept to show the noise."""
+    import statistics
+
+    keys = list(results["rows"])
+    passes = []
+    for index in range(rounds):
+        measured = {}
+        for key in keys if index % 2 == 0 else keys[::-1]:
+            row = results["rows"][key]
+            measured[key] = efficiency(model, row["removed"], row["unit"])
+            print(f"pass {index + 1}/{rounds} {key}: decode {measured[key]['decode_tokens_per_second']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
+        passes.append(measured)
+    for key, row in results["rows"].items():
+        first = dict(passes[0][key])
+        for name in SPEEDS:
+            first[name] = statistics.median(p[key][name] for p in passes)
+            row[f"{name}_ratios"] = [p[key][name] / p["base"][name] for p in passes]
+        first["setting"] = first["setting"] | {"passes": rounds}
+        row["efficiency"] = first
 
 
 def ordered(results: dict) -> list[tuple[str, dict]]:
@@ -143,7 +169,18 @@ def ordered(results: dict) -> list[tuple[str, dict]]:
 
 
 def ratio(row: dict, base: dict, name: str) -> float:
-    return row["efficiency"][name] / base["efficiency"][name]
+    """row / base; for speeds, the median of the per-pass ratios where the passes were kept."""
+    import statistics
+
+    passes = row.get(f"{name}_ratios")
+    return statistics.median(passes) if passes else row["efficiency"][name] / base["efficiency"][name]
+
+
+def speed_cell(row: dict, base: dict, name: str) -> str:
+    """The speed ratio with its range over passes: the measurement's noise, on the same row."""
+    passes = row.get(f"{name}_ratios")
+    spread = f" ({min(passes):.2f}-{max(passes):.2f})" if passes and len(passes) > 1 and row["drop"] else ""
+    return f"{ratio(row, base, name):.2f}x{spread}"
 
 
 def markdown(results: dict) -> str:
@@ -162,13 +199,16 @@ def markdown(results: dict) -> str:
                      f"{c4_cell} | "
                      f"{'-' if acc is None else f'{acc:.4f}'} | "
                      f"{ratio(row, base, 'kv_cache_bytes_per_token'):.2f}x | {ratio(row, base, 'parameters'):.2f}x | "
-                     f"{ratio(row, base, 'decode_tokens_per_second'):.2f}x | {row['select_seconds']:.0f} |")
+                     f"{speed_cell(row, base, 'decode_tokens_per_second')} | {row['select_seconds']:.0f} |")
     setting = base["efficiency"]["setting"]
     c4 = results.get("c4_held_out", {})
     lines.append("")
     lines.append(f"Efficiency relative to the base on {setting['device']} ({setting['dtype']}, batch 1, decode "
-                 f"{setting['decode_tokens']} tokens after {setting['decode_prompt_tokens']}, median of "
-                 f"{setting['repeats']}, every row in one pass of one process). Selection saw the first "
+                 f"{setting['decode_tokens']} tokens after {setting['decode_prompt_tokens']}, "
+                 + (f"median over {setting['passes']} interleaved passes of one process of each pass's ratio to the "
+                    f"base (range in brackets), each pass's speed the median of {setting['repeats']}"
+                    if "passes" in setting else f"median of {setting['repeats']}, every row in one pass of one process")
+                 + "). Selection saw the first "
                  f"{results['calibration'].get('windows', SAMPLES)} x {SEQ_LEN}-token windows of {CALIBRATION}; "
                  f"held out: {results['held_out']['windows']} x {results['held_out']['seq_len']} tokens of "
                  f"WikiText-2 test, and C4 windows {c4.get('first_window', SAMPLES)}-"
@@ -268,9 +308,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--accuracy-limit", type=int, default=500)
-    parser.add_argument("--accuracy-rows", choices=("default", "all"), default="default",
-                        help="default: the base and the halving rows; all: every row")
+    parser.add_argument("--accuracy-rows", default="default",
+                        help="default: the base and the halving rows; all: every row; or row keys, comma-separated "
+                             "(block:halving@6,...)")
     parser.add_argument("--efficiency", action="store_true", help="measure every row's efficiency again")
+    parser.add_argument("--rounds", type=int, default=EFFICIENCY_PASSES,
+                        help="interleaved efficiency passes over all rows (speeds: median of per-pass ratios)")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if not args.report:

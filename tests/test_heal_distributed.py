@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +72,10 @@ def heal_launched(launcher: str, ranks: int, args: list[str], cache) -> dict:
     return json.loads(lines[0])
 
 
+def tensors_bytes(folder) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors(folder).values())
+
+
 def heal_in_process(args: list[str]) -> dict:
     result = runner.invoke(app, ["heal", *args, "--json"])
     assert result.exit_code == 0, result.output
@@ -96,6 +101,9 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(train, launcher, t
     two = heal_launched(launcher, 2, args + ["--output-dir", str(tmp_path / "two")], _session_cache_dir)
     assert two["heal"]["world_size"] == 2 and one["heal"]["world_size"] == 1
     assert two["heal"]["micro_batches_per_rank"] == 1 and two["heal"]["steps"] == one["heal"]["steps"] == 4
+    for record in (one, two):  # the main rank's high-water mark when training ended: at least its two models
+        peak = record["heal"]["training_peak"]
+        assert peak["measure"] == "peak resident set of the process" and peak["bytes"] > tensors_bytes(pruned)
     first, last = one["heal"]["loss_summary"], two["heal"]["loss_summary"]
     assert last["last"] == pytest.approx(first["last"], rel=1e-3)
     assert last["first"] == pytest.approx(first["first"], rel=1e-6)  # step 1 sees the same weights and windows
@@ -114,7 +122,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(train, launcher, t
 def test_a_killed_distributed_run_resumes_to_the_uninterrupted_result(tiny_checkpoint, calib_file, tmp_path,
                                                                       _session_cache_dir):
     pruned = prune_tiny(tiny_checkpoint, "llama", calib_file, tmp_path / "pruned")
-    args = [str(pruned), "--train", "adjacent", "--tokens", str(160 * 2 * 24), "--seq-len", "24", "--batch-size",
+    args = [str(pruned), "--train", "adjacent", "--tokens", str(64 * 2 * 24), "--seq-len", "24", "--batch-size",
             "2", "--lr", "1e-3", "--save-every", "4", "--epochs", "10"]
     whole = heal_launched("torchrun", 2, args + ["--output-dir", str(tmp_path / "whole")], _session_cache_dir)
     out, state = tmp_path / "resumed", tmp_path / "resumed.checkpoint" / "state.pt"
@@ -188,3 +196,42 @@ def calib_file(tmp_path):
     path = tmp_path / "calib.txt"
     path.write_text(prose(3000))
     return path
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+
+
+def launcher_env(config: Path, ranks: int) -> dict:
+    """The environment `accelerate launch --config_file CONFIG --num_processes N` gives each rank (accelerate's
+    own parsing and env preparation, without starting anything)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config), "--num_processes", str(ranks), "-m",
+                                               "prunetool", "heal"])
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = list(defaults.deepspeed_config) if defaults else []
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("name,sharded,extra", [
+    ("ddp", None, {}),
+    ("fsdp2", "FSDP", {"FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}),
+    ("zero3", "DeepSpeed", {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}),
+])
+def test_each_shipped_accelerate_config_launches_what_heal_reads(name, sharded, extra, monkeypatch):
+    from prunetool.repair.distributed import sharded_launch
+
+    env = launcher_env(CONFIGS / f"{name}.yaml", 8)
+    assert env.get("ACCELERATE_MIXED_PRECISION", "no") == "no"  # heal sets bf16 autocast itself (--dtype)
+    for key, value in extra.items():
+        assert env.get(key) == value, (key, env.get(key))
+    for key in LAUNCH_ENV[3:]:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        if key.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.setenv(key, value)
+    assert sharded_launch() == sharded
+    assert sorted(path.stem for path in CONFIGS.glob("*.yaml")) == ["ddp", "fsdp2", "zero3"]

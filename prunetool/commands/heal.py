@@ -285,6 +285,15 @@ def step_reporter(progress: Progress, task, tokens_per_step: int, first_step: in
     return on_step
 
 
+def training_peak(device: torch.device) -> dict:
+    """What the main rank held at most while loading and training: the memory a launch must provide per rank."""
+    if device.type == "cuda":
+        return {"bytes": torch.cuda.max_memory_allocated(device), "measure": "torch.cuda.max_memory_allocated"}
+    from prunetool.memory import peak_rss_bytes
+
+    return {"bytes": peak_rss_bytes(), "measure": "peak resident set of the process"}
+
+
 def loss_summary(losses: list[float]) -> dict:
     tail = losses[-max(1, len(losses) // 10):]
     points = sorted({round(i * (len(losses) - 1) / 19) for i in range(20)}) if len(losses) > 1 else [0]
@@ -374,7 +383,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
         raise OptionError(f"accelerate runs {sharded_launch()} only on GPUs (on CPU it would silently train "
                           "unsharded); use a DDP launch on CPU: accelerate launch --multi_gpu --num_processes N")
     world = open_world(cpu=target.type == "cpu", global_batch=per_step, batch_size=request.batch_size,
-                       report_to=request.report_to, project_dir=checkpoint_dir.parent)
+                       clip=TrainConfig.clip, report_to=request.report_to, project_dir=checkpoint_dir.parent)
     if world.distributed:  # every rank on its own device (cuda:LOCAL_RANK), and only the main rank speaks
         target = world.accelerator.device
         console = console if world.main else Console(stderr=True, quiet=True)
@@ -421,6 +430,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
         result = train(model, teacher, windows, config, checkpoint_dir=checkpoint_dir,
                        save_every=request.save_every, resume=request.resume, world=world,
                        on_step=step_reporter(progress, task, per_step * request.seq_len, first_step))
+    peak = training_peak(target)  # this rank's, before verification loads anything more
     del teacher
     world.finish()
     if not world.main:  # the main rank writes, verifies and records; a failure there fails the launch
@@ -446,6 +456,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
                                        / max(result.seconds, 1e-9), 2),
             "resumed_from_step": result.resumed_from, "loss_summary": loss_summary(result.losses),
             "world_size": world.size, "micro_batch": world.micro_batch, "micro_batches_per_rank": world.micro_batches,
+            "training_peak": peak,
             "perplexity": {"before": before, "after": after, "held_out": held, "before_dtype": "float32",
                            "after_dtype": str(setting.dtype).removeprefix("torch.")},
             "tensors": sorted(replacements), "command": heal_command(request, folder)}

@@ -80,7 +80,8 @@ class World:
 
     @property
     def distributed(self) -> bool:
-        return self.size > 1
+        """Launched: several ranks, or one rank under an FSDP/DeepSpeed config (which still wraps the model)."""
+        return self.accelerator is not None and (self.size > 1 or self.sharded)
 
     @property
     def sharded(self) -> bool:
@@ -94,6 +95,9 @@ class World:
         """The student (and its optimizer) wrapped as the launch config says: DDP, FSDP or a DeepSpeed engine."""
         if not self.distributed:
             return model, optimizer
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):  # no dataloader to read it from
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = self.micro_batch
         return self.accelerator.prepare(model, optimizer)
 
     def prepare_teacher(self, teacher):
@@ -147,14 +151,17 @@ class World:
         return self.accelerator.unwrap_model(model) if self.distributed else model
 
 
-def open_world(*, cpu: bool, global_batch: int, batch_size: int, report_to: str | None = None,
+def open_world(*, cpu: bool, global_batch: int, batch_size: int, clip: float = 1.0, report_to: str | None = None,
                project_dir=None) -> World:
     """The Accelerator of a launched rank (or of a tracked single process); a bare World otherwise."""
     world_size = launched_world_size()
-    if world_size == 1 and report_to is None:
+    if world_size == 1 and report_to is None and sharded_launch() is None:
         return World(micro_batch=batch_size, micro_batches=global_batch // batch_size)
     from accelerate import Accelerator
 
     micro, count = rank_share(global_batch, world_size, batch_size)
+    if sharded_launch() == "DeepSpeed":  # the engine accumulates and clips by itself: heal's flags set both
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(count)
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(clip)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=count, log_with=report_to, project_dir=project_dir)
     return World(accelerator=accelerator, micro_batch=micro, micro_batches=count)
