@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -139,8 +140,6 @@ def measure_rounds(results: dict, model, rounds: int) -> None:
     """Every row's efficiency in `rounds` interleaved passes of this process (odd passes in reverse order, so
     drift of the machine lands on every row alike); speeds are each row's ratio to the base of the same pass,
     median over passes, with the range kept to show the noise."""
-    import statistics
-
     keys = list(results["rows"])
     passes = []
     for index in range(rounds):
@@ -170,8 +169,6 @@ def ordered(results: dict) -> list[tuple[str, dict]]:
 
 def ratio(row: dict, base: dict, name: str) -> float:
     """row / base; for speeds, the median of the per-pass ratios where the passes were kept."""
-    import statistics
-
     passes = row.get(f"{name}_ratios")
     return statistics.median(passes) if passes else row["efficiency"][name] / base["efficiency"][name]
 
@@ -217,7 +214,7 @@ def markdown(results: dict) -> str:
 
 
 def goals(results: dict) -> str:
-    """The issue's goals, read off the rows: each line says what was measured against what was asked."""
+    """The goals for attention cuts, read off the rows: each line says what was measured against what was asked."""
     rows, base = results["rows"], results["rows"]["base"]
     lines = []
     six = rows.get("attention:halving@6")

@@ -88,6 +88,15 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def peak_memory(device) -> dict:
+    """The most this process has held on `device` so far: CUDA's allocator high-water mark, else the peak RSS."""
+    if device.type == "cuda":
+        import torch
+
+        return {"bytes": torch.cuda.max_memory_allocated(device), "measure": "torch.cuda.max_memory_allocated"}
+    return {"bytes": peak_rss_bytes(), "measure": "peak resident set of the process"}
+
+
 def checkpoint_bytes(folder) -> int:
     from pathlib import Path
 

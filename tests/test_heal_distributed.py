@@ -15,6 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from prunetool.cli import app
+from prunetool.memory import checkpoint_bytes
 from prunetool.repair.distributed import rank_share
 from test_heal import prune_tiny, tensors
 from test_prune_cli import assert_refused
@@ -72,10 +73,6 @@ def heal_launched(launcher: str, ranks: int, args: list[str], cache) -> dict:
     return json.loads(lines[0])
 
 
-def tensors_bytes(folder) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors(folder).values())
-
-
 def heal_in_process(args: list[str]) -> dict:
     result = runner.invoke(app, ["heal", *args, "--json"])
     assert result.exit_code == 0, result.output
@@ -103,7 +100,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(train, launcher, t
     assert two["heal"]["micro_batches_per_rank"] == 1 and two["heal"]["steps"] == one["heal"]["steps"] == 4
     for record in (one, two):  # the main rank's high-water mark when training ended: at least its two models
         peak = record["heal"]["training_peak"]
-        assert peak["measure"] == "peak resident set of the process" and peak["bytes"] > tensors_bytes(pruned)
+        assert peak["measure"] == "peak resident set of the process" and peak["bytes"] > checkpoint_bytes(pruned)
     first, last = one["heal"]["loss_summary"], two["heal"]["loss_summary"]
     assert last["last"] == pytest.approx(first["last"], rel=1e-3)
     assert last["first"] == pytest.approx(first["first"], rel=1e-6)  # step 1 sees the same weights and windows

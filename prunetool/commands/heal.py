@@ -32,6 +32,7 @@ from prunetool.select.calibration import load_calibration, recut_held_out
 from prunetool.checkpoint_io import remove_tree, write_json_atomic
 from prunetool.errors import CalibrationError, ModelSourceError, OptionError, PrunetoolError
 from prunetool.model.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
+from prunetool.memory import peak_memory
 from prunetool.model.perplexity import perplexity
 from prunetool.progress import window_progress
 from prunetool.output.runs import current_pruned, current_run_path
@@ -285,15 +286,6 @@ def step_reporter(progress: Progress, task, tokens_per_step: int, first_step: in
     return on_step
 
 
-def training_peak(device: torch.device) -> dict:
-    """What the main rank held at most while loading and training: the memory a launch must provide per rank."""
-    if device.type == "cuda":
-        return {"bytes": torch.cuda.max_memory_allocated(device), "measure": "torch.cuda.max_memory_allocated"}
-    from prunetool.memory import peak_rss_bytes
-
-    return {"bytes": peak_rss_bytes(), "measure": "peak resident set of the process"}
-
-
 def loss_summary(losses: list[float]) -> dict:
     tail = losses[-max(1, len(losses) // 10):]
     points = sorted({round(i * (len(losses) - 1) / 19) for i in range(20)}) if len(losses) > 1 else [0]
@@ -430,7 +422,7 @@ def run_heal(request: HealRequest, console: Console) -> dict:
         result = train(model, teacher, windows, config, checkpoint_dir=checkpoint_dir,
                        save_every=request.save_every, resume=request.resume, world=world,
                        on_step=step_reporter(progress, task, per_step * request.seq_len, first_step))
-    peak = training_peak(target)  # this rank's, before verification loads anything more
+    peak = peak_memory(target)  # this rank's, before verification loads anything more: what a launch must provide
     del teacher
     world.finish()
     if not world.main:  # the main rank writes, verifies and records; a failure there fails the launch

@@ -154,13 +154,13 @@ class World:
 def open_world(*, cpu: bool, global_batch: int, batch_size: int, clip: float = 1.0, report_to: str | None = None,
                project_dir=None) -> World:
     """The Accelerator of a launched rank (or of a tracked single process); a bare World otherwise."""
-    world_size = launched_world_size()
-    if world_size == 1 and report_to is None and sharded_launch() is None:
+    world_size, sharding = launched_world_size(), sharded_launch()
+    if world_size == 1 and report_to is None and sharding is None:
         return World(micro_batch=batch_size, micro_batches=global_batch // batch_size)
     from accelerate import Accelerator
 
     micro, count = rank_share(global_batch, world_size, batch_size)
-    if sharded_launch() == "DeepSpeed":  # the engine accumulates and clips by itself: heal's flags set both
+    if sharding == "DeepSpeed":  # the engine accumulates and clips by itself: heal's flags set both
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(count)
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(clip)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=count, log_with=report_to, project_dir=project_dir)
