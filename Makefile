@@ -6,7 +6,7 @@ STAMP := $(VENV)/.prunetool-installed
 # torch first, pinned to the CPU build this machine carries, so no multi-GB CUDA wheel is pulled.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench docs clean
+.PHONY: setup engines demo test test-fast bench docs clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+# vLLM's CPU build (a venv of its own) and llama.cpp built from PyPI's llama-cpp-python sources, cached in
+# ~/.cache/prunetool/engines (PRUNETOOL_ENGINES): minutes the first time, seconds after. Tests marked
+# `engines` use them and skip, saying why, where they are absent.
+engines:
+	bash engines/setup.sh all
 
 # The demo needs neither internet nor a data folder: eval then runs the hop probes and held-out perplexity.
 # The repair is short so the demo stays within minutes: the patch is fitted on the 16 selection windows

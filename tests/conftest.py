@@ -84,3 +84,6 @@ def shared_data() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared data folder {path} not found")
     return path
+
+
+from engine_models import engine_folder, llamacpp_engine, vllm_engine  # noqa: E402,F401  (serving-engine fixtures)

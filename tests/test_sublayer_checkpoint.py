@@ -115,7 +115,7 @@ def test_written_folder_round_trips_and_matches_the_reference(arch, unit, family
 
 def test_attention_cut_keeps_no_cache_for_removed_layers(family, calib, tmp_path):
     out = tmp_path / "out"
-    assert prune(family("llama"), out, calib, "attention", "0,2").exit_code == 0
+    assert prune(family("llama"), out, calib, "attention", "1,2").exit_code == 0
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
     with torch.no_grad():
@@ -131,6 +131,7 @@ def test_attention_cut_keeps_no_cache_for_removed_layers(family, calib, tmp_path
     (["--unit", "mlp", "--drop", "7"], "more than the 6 MLP sublayers"),
     (["--unit", "attention", "--remove-layers", "0,1,2,3,4,5"], "all 6 attention sublayers"),
     (["--unit", "attention", "--drop", "2", "--patch"], "no fold exists"),
+    (["--unit", "attention", "--remove-layers", "0,2"], "vLLM cannot serve this cut: layer 0 keeps its MLP"),
     (["--unit", "mlp", "--drop", "2", "--criterion", "qsim"], "does not rank mlp sublayers"),
 ])
 def test_bad_sublayer_options_are_one_line_and_write_nothing(args, words, family, calib, tmp_path):
@@ -180,3 +181,25 @@ def test_every_sublayer_criterion_chooses_and_writes(criterion, unit, family, ca
     blocks = json.loads((out / "config.json").read_text())["block_configs"]
     gone = [i for i, block in enumerate(blocks) if block["attention" if unit == "attention" else "ffn"].get("no_op")]
     assert gone == sorted(plan["removed"])
+    if unit == "attention":  # vLLM's nemotron_nas cannot run layer 0's MLP without its attention
+        assert 0 not in plan["removed"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "smollm2"])
+def test_every_block_writes_every_key_the_engines_read(arch, family, calib, tmp_path):
+    """llama.cpp's converter indexes n_heads_in_group and ffn_mult on every block; vLLM reads intermediate_size
+    only where ffn_mult is absent, so a kept MLP has a width-reproducing ffn_mult, or no ffn_mult at all."""
+    source, hidden, width = family(arch), 64, 256 if arch == "smollm2" else 128
+    for unit in ("attention", "mlp"):
+        out = tmp_path / unit
+        assert prune(source, out, calib, unit).exit_code == 0
+        for index, block in enumerate(json.loads((out / "config.json").read_text())["block_configs"]):
+            attention, ffn = block["attention"], block["ffn"]
+            assert attention["n_heads_in_group"] == (None if attention["no_op"] else 2)
+            if ffn["no_op"]:
+                assert ffn["ffn_mult"] is None
+            elif arch == "smollm2":
+                assert ffn["ffn_mult"] == 6.0 and "intermediate_size" not in ffn
+                assert -(-int(2 * ffn["ffn_mult"] * hidden / 3) // 256) * 256 == width
+            else:  # 128 is no multiple of 256: no ffn_mult gives it back
+                assert "ffn_mult" not in ffn and ffn["intermediate_size"] == width

@@ -114,6 +114,39 @@ def _patch_rows(patch: dict | None) -> list[str]:
     return rows + [""]
 
 
+FOLDER_PLACEHOLDER = "path/to/this-folder"
+PROMPT = "The capital of France is"
+
+
+def serving_lines(nemotron: bool) -> list[str]:
+    """The card's "Serve" section: the commands that run this folder in vLLM and in llama.cpp (tested as written).
+
+    A nemotron-nas folder needs trust_remote_code in vLLM because vLLM's transformers has no configuration
+    class for it; llama.cpp's own converter cannot read every tokenizer of that format, so the GGUF comes
+    from `prunetool export` for every folder kind.
+    """
+    remote = " --trust-remote-code" if nemotron else ""
+    remote_python = ", trust_remote_code=True" if nemotron else ""
+    return [
+        "## Serve",
+        "",
+        "```bash",
+        f"vllm serve {FOLDER_PLACEHOLDER}{remote}  # vLLM: OpenAI-compatible server on port 8000",
+        f"prunetool export {FOLDER_PLACEHOLDER} --gguf model.gguf --type f16  # llama.cpp: a GGUF of this folder",
+        f'llama-completion -m model.gguf -p "{PROMPT}" -n 32',
+        "```",
+        "",
+        "```python",
+        "from vllm import LLM, SamplingParams",
+        f'llm = LLM(model="{FOLDER_PLACEHOLDER}"{remote_python})',
+        f'print(llm.generate(["{PROMPT}"], SamplingParams(max_tokens=32))[0].outputs[0].text)',
+        "```",
+        "",
+        "prunetool checked that vLLM and llama.cpp compute what transformers computes for folders of this kind "
+        "(docs/serving.md in the prunetool repository).",
+    ]
+
+
 UNIT_WORDS = {"block": "whole decoder layers", "attention": "attention sublayers", "mlp": "MLP sublayers"}
 
 
@@ -149,7 +182,9 @@ def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, com
         command,
         "```",
         "",
-        "The same cut with other tools: `mergekit.yaml` (mergekit passthrough) and",
-        "`llama.cpp-prune-layers.txt` (`llama-quantize --prune-layers $(cat llama.cpp-prune-layers.txt) ...`).",
+        *serving_lines(plan.unit != "block"),
     ]
+    if plan.unit == "block":
+        lines += ["", "The same cut with other tools: `mergekit.yaml` (mergekit passthrough) and",
+                  "`llama.cpp-prune-layers.txt` (`llama-quantize --prune-layers $(cat llama.cpp-prune-layers.txt) ...`)."]
     return "\n".join(lines) + "\n"

@@ -143,12 +143,21 @@ def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | N
         removed = parse_layers(request.layers, num_layers, allow_all=request.unit != "block")
         if request.unit == "attention" and len(removed) >= num_layers:
             raise OptionError(f"--remove-layers names all {num_layers} attention sublayers; at least one must stay")
+        if request.unit == "attention":
+            from prunetool.checkpoint.nemotron_nas.convert import check_engine_rules
+            check_engine_rules(num_layers, removed, ())
         return removed
     validate_selection(request.criterion, request.drop, num_layers, beta=request.beta,
-                       protect_first=request.protect_first, protect_last=request.protect_last,
+                       protect_first=protected_first(request), protect_last=request.protect_last,
                        shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
                        screen_tokens=request.screen_tokens, screen_dtype=request.screen_dtype, unit=request.unit)
     return None
+
+
+def protected_first(request: PruneRequest) -> int:
+    """Layers at the start that no search removes: layer 0's attention stays for --unit attention, since vLLM's
+    nemotron_nas forward cannot run an MLP before any attention (checkpoint.nemotron_nas.convert)."""
+    return max(request.protect_first, 1) if request.unit == "attention" else request.protect_first
 
 
 def check_sublayer_request(request: PruneRequest, source) -> None:
@@ -232,7 +241,7 @@ def choose(request, spec, scores, model, calibration, console: Console) -> tuple
                                  dtype=runner.dtype)
         search = progress.add_task("perplexity search", total=None, visible=needs in ("model", "both"))
         plan = make_plan(spec, request.criterion, request.drop, scores=scores, model=model, calibration=calibration,
-                         num_layers=num_layers, beta=request.beta, protect_first=request.protect_first,
+                         num_layers=num_layers, beta=request.beta, protect_first=protected_first(request),
                          protect_last=request.protect_last, batch_size=request.batch_size,
                          shortlist=request.shortlist, refine_windows=request.refine_windows, blocks=request.blocks,
                          screen_tokens=request.screen_tokens, screen_dtype=request.screen_dtype,

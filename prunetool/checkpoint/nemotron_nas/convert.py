@@ -3,7 +3,12 @@
 Pure functions of the source config (a dict, as read from config.json). Shapes are reproduced exactly or
 the cut is refused: `n_heads_in_group` must divide the query heads, and `ffn_mult` is written only where
 the format's rounding (int(2 * ffn_mult * hidden / 3), up to a multiple of 256) gives the source's MLP
-width back; elsewhere the width is written as `intermediate_size`, which vLLM reads instead.
+width back; elsewhere the width is written as `intermediate_size`, which vLLM reads instead (llama.cpp's
+own converter reads only ffn_mult; `prunetool export --gguf` writes such folders).
+
+Every block writes every key the engines read, a no-op one with `"n_heads_in_group": null` or
+`"ffn_mult": null`, since llama.cpp's converter indexes them on every block. Cuts an engine cannot run
+are refused here, before anything is written (`check_engine_rules`).
 
 The same cut is also recorded as transformers' `per_layer_config` skips ({"3": {"skip": ["attention"]}}),
 which transformers parses but does not apply yet (the modeling side is still under review upstream).
@@ -76,19 +81,38 @@ def check_removed(num_layers: int, removed_attention, removed_mlp) -> tuple[set[
     return attention, mlp
 
 
+def check_engine_rules(num_layers: int, removed_attention, removed_mlp) -> None:
+    """Refuse, in one line naming the engine, a sublayer cut that a serving engine computes wrongly or not at all.
+
+    vLLM's nemotron_nas forward (vllm/model_executor/models/nemotron_nas.py) starts its residual stream at the
+    first attention it runs: a layer that runs its MLP before any attention has run unpacks (hidden, residual)
+    from an RMSNorm that returns one tensor while the residual is None, and fails.
+    """
+    attention, mlp = set(removed_attention), set(removed_mlp)
+    for index in range(num_layers):
+        if index not in attention:
+            return
+        if index not in mlp:
+            raise OptionError(f"vLLM cannot serve this cut: layer {index} keeps its MLP but no attention runs before "
+                              "it, which vLLM's nemotron_nas forward does not handle; keep that layer's attention "
+                              "or remove its whole block")
+
+
 def block_configs_for(config: dict, removed_attention=(), removed_mlp=()) -> list[dict]:
-    """One block config per layer; the kept sublayers' shapes are the source's."""
+    """One block config per layer with every key written: the kept sublayers' shapes are the source's."""
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise UnsupportedModelError(f"{heads} query heads do not split into groups of {kv_heads} key/value heads")
     attention, mlp = check_removed(layers, removed_attention, removed_mlp)
+    check_engine_rules(layers, attention, mlp)
     width, hidden = config["intermediate_size"], config["hidden_size"]
     multiplier = ffn_mult_for(width, hidden)
     ffn_shape = {"ffn_mult": multiplier} if multiplier is not None else {"intermediate_size": width}
-    return [{"attention": {"no_op": index in attention, "replace_with_linear": False}
-             | ({} if index in attention else {"n_heads_in_group": heads // kv_heads}),
-             "ffn": {"no_op": index in mlp, "replace_with_linear": False} | ({} if index in mlp else ffn_shape)}
+    return [{"attention": {"no_op": index in attention, "replace_with_linear": False,
+                           "n_heads_in_group": None if index in attention else heads // kv_heads},
+             "ffn": {"no_op": index in mlp, "replace_with_linear": False}
+             | ({"ffn_mult": None} if index in mlp else ffn_shape)}
             for index in range(layers)]
 
 

@@ -22,7 +22,7 @@ from prunetool.sources.weights import find_decoder_prefix, has_safetensors, read
 from prunetool.checkpoint.surgery.tensors import renamer, source_tensors, write_weights
 
 __all__ = ["patched_tensor_names", "prune_config", "write_pruned_checkpoint", "write_replaced_checkpoint",
-           "write_sublayer_checkpoint"]
+           "write_nemotron_checkpoint", "write_sublayer_checkpoint"]
 
 
 def patched_tensor_names(source_dir: Path, relative: list[str]) -> dict[str, tuple]:
@@ -111,12 +111,13 @@ def write_replaced_checkpoint(source_dir: Path, output: Path, replacements: dict
     return output
 
 
-def sublayer_renamer(prefix: str, removed: tuple[int, ...], unit: str):
+def sublayer_renamer(prefix: str, removed_attention=(), removed_mlp=()):
     """name -> name, or None for a tensor of a removed sublayer (or its input norm); nothing is renumbered."""
     from prunetool.model.sublayers import SUBLAYER_MODULES
 
-    module, norm = SUBLAYER_MODULES[unit]
-    gone = tuple(f"{prefix}{index}.{part}." for index in removed for part in (module, norm))
+    gone = tuple(f"{prefix}{index}.{part}."
+                 for unit, removed in (("attention", removed_attention), ("mlp", removed_mlp))
+                 for index in removed for part in SUBLAYER_MODULES[unit])
 
     def rename(name: str) -> str | None:
         return None if name.startswith(gone) else name
@@ -124,15 +125,27 @@ def sublayer_renamer(prefix: str, removed: tuple[int, ...], unit: str):
     return rename
 
 
-def write_sublayer_checkpoint(source_dir: Path, plan: PrunePlan, output: Path, *, force: bool = False,
-                              extra_files: dict[str, str] | None = None, on_shard=None,
+def write_sublayer_checkpoint(source_dir: Path, plan: PrunePlan, output: Path, **options) -> Path:
+    """Write `source_dir` without the plan's attention (or MLP) sublayers as a nemotron-nas (DeciLM) folder."""
+    source_dir = Path(source_dir).expanduser()
+    _, num_layers, _ = load_config(source_dir)
+    if plan.num_layers != num_layers:
+        raise OptionError(f"the plan is for a {plan.num_layers}-layer model but {source_dir} has {num_layers} "
+                          "decoder layers; make the plan from this model")
+    return write_nemotron_checkpoint(source_dir, output, removed_attention=plan.removed if plan.unit == "attention"
+                                     else (), removed_mlp=plan.removed if plan.unit == "mlp" else (), **options)
+
+
+def write_nemotron_checkpoint(source_dir: Path, output: Path, *, removed_attention=(), removed_mlp=(),
+                              force: bool = False, extra_files: dict[str, str] | None = None, on_shard=None,
                               before_publish=None) -> Path:
-    """Write `source_dir` without the plan's attention (or MLP) sublayers as a nemotron-nas (DeciLM) folder.
+    """Write `source_dir` without the given attention and MLP sublayers as a nemotron-nas (DeciLM) folder.
 
     Every layer stays; a removed sublayer's tensors (and its input norm's) are not written, and config.json
-    describes each layer in `block_configs` (checkpoint.nemotron_nas.convert). The folder carries our
-    configuration and modeling code for transformers (trust_remote_code); vLLM has the architecture built
-    in. Kept tensors keep their bytes; publishing is atomic as for a block prune.
+    describes each layer in `block_configs` (checkpoint.nemotron_nas.convert), under the rules of the engines
+    that serve the format. The folder carries our configuration and modeling code for transformers
+    (trust_remote_code); vLLM has the architecture built in. Kept tensors keep their bytes; publishing is
+    atomic as for a block prune.
     """
     from prunetool.checkpoint.nemotron_nas.convert import check_expressible, nemotron_config, write_code_files
 
@@ -140,18 +153,13 @@ def write_sublayer_checkpoint(source_dir: Path, plan: PrunePlan, output: Path, *
     check_output(source_dir, output, force)
     check_extra_names(extra_files, {"config.json", SAFETENSORS_INDEX})
     config, num_layers, _ = load_config(source_dir)
-    if plan.num_layers != num_layers:
-        raise OptionError(f"the plan is for a {plan.num_layers}-layer model but {source_dir} has {num_layers} "
-                          "decoder layers; make the plan from this model")
     check_expressible(config)
-    removed_attention = plan.removed if plan.unit == "attention" else ()
-    removed_mlp = plan.removed if plan.unit == "mlp" else ()
     new_config = nemotron_config(config, removed_attention, removed_mlp)
     with safetensors_folder(source_dir, output) as weights_dir:
         weights = read_weights(weights_dir)
         prefix = find_decoder_prefix(weights.names, num_layers)
         with staged_folder(output, force) as staging:
-            write_weights(weights, sublayer_renamer(prefix, plan.removed, plan.unit), staging, on_shard)
+            write_weights(weights, sublayer_renamer(prefix, removed_attention, removed_mlp), staging, on_shard)
             copy_side_files(source_dir, staging)
             (staging / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
             write_code_files(staging)
