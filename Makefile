@@ -34,7 +34,7 @@ demo: setup
 	$(BIN)/prunetool heal --tokens 4096 --seq-len 256 --batch-size 4 --output-dir demo-healed --force
 	$(BIN)/prunetool eval --limit 10 --output-file demo-eval.json
 
-test: setup
+test: setup engines
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: setup

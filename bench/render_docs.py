@@ -130,6 +130,8 @@ def repair_table(results: dict) -> str:
 
 
 REGIONS: dict[str, Region] = {
+    "engine-equality": Region("bench/engine_equality.py", ("engine_equality.json",), stamped("engine_equality")),
+    "serving": Region("bench/serving.py", ("serving.json",), stamped("serving")),
     "sublayer": Region("bench/sublayer.py", ("sublayer.json",), stamped("sublayer")),
     "repair": Region("bench/repair.py", ("repair.json",), repair_table),
     "repair-tokens": Region("bench/repair.py", ("repair_tokens.json",), repair_table),

@@ -604,7 +604,9 @@ EvalBatchOpt = Annotated[str, typer.Option("--batch-size", help="Requests per fo
 MaxLengthOpt = Annotated[Optional[int], typer.Option("--max-length", help="Tokens per forward pass (default: "
                          "2048, or the model's context if shorter).")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="hf (transformers, in this process) or vllm (lm-eval "
-                       "tasks through vLLM, which loads each checkpoint itself; needs vllm installed).")]
+                       "tasks through vLLM, which loads each checkpoint itself: vllm installed here, else vLLM's CPU "
+                       "build from `make engines` served in a separate process, which also measures the efficiency "
+                       "columns).")]
 TensorParallelOpt = Annotated[int, typer.Option("--tensor-parallel", help="vllm: GPUs per model replica.")]
 DataParallelOpt = Annotated[int, typer.Option("--data-parallel", help="vllm: model replicas (for hf, run lm-eval "
                             "under `accelerate launch`: docs/evaluation.md).")]
@@ -691,6 +693,37 @@ def show_eval(report: dict, output: Optional[Path], json_out: bool) -> None:
                 out.print(extra)
     err.print(f"time: {report['prunetool']['seconds']:.1f}s" + (f"; results written to {output}" if output else ""),
               highlight=False)
+
+
+# export's own options
+ExportFolderArg = Annotated[Path, typer.Argument(help="A folder prune or heal wrote: a block cut (Llama, Mistral, "
+                            "Qwen2, Qwen3, Gemma 3) or a nemotron-nas sublayer cut.", show_default=False)]
+GgufOpt = Annotated[Optional[Path], typer.Option("--gguf", help="Write one GGUF file for llama.cpp here (atomically: "
+                    "a temporary file beside it, then a rename).")]
+GgufTypeOpt = Annotated[str, typer.Option("--type", help="Tensor storage: f32, f16, bf16 or q8_0. Norms, biases "
+                        "and vectors stay f32; q8_0 tensors whose rows are not a multiple of 32 values are f16.")]
+ExportForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --gguf file.")]
+
+
+@app.command()
+@handle_errors
+def export(
+    folder: ExportFolderArg,
+    gguf: GgufOpt = None,
+    gguf_type: GgufTypeOpt = "f32",
+    force: ExportForceOpt = False,
+    json_out: JsonOpt = False,
+):
+    """Write a pruned or healed folder as a GGUF file that llama.cpp runs (docs/serving.md)."""
+    from prunetool.commands.export import run_export, summary_line
+
+    started = time.perf_counter()
+    result = run_export(folder, gguf=gguf, type_name=gguf_type, force=force, console=err)
+    if json_out:
+        typer.echo(json.dumps(result))
+    else:
+        out.print(summary_line(result), highlight=False, soft_wrap=True)
+    err.print(f"time: {time.perf_counter() - started:.1f}s", highlight=False)
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config,
-                          SiglipVisionConfig)
+from transformers import (AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config, SiglipVisionConfig)
 
 from prunetool.checkpoint.surgery import write_nemotron_checkpoint, write_pruned_checkpoint
 from prunetool.select.plan import PrunePlan
@@ -27,9 +27,9 @@ SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, n
              num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, initializer_range=0.05)
 
 
-def gemma3_text(common: dict) -> Gemma3TextConfig:
+def gemma3_text(common: dict, query_pre_attn_scalar: int = 64) -> Gemma3TextConfig:
     """Two sliding layers, then a full one; the window is shorter than the test prompts."""
-    return Gemma3TextConfig(**common, sliding_window=16, query_pre_attn_scalar=64,
+    return Gemma3TextConfig(**common, sliding_window=16, query_pre_attn_scalar=query_pre_attn_scalar,
                             layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
                                          for i in range(LAYERS)])
 
@@ -67,19 +67,28 @@ def qwen2_heads(head_dim: int):
     return lambda common: Qwen2Config(**(common | dict(head_dim=head_dim)), use_sliding_window=False)
 
 
-# Block cuts of the other families `prunetool export --gguf` writes, kept apart from FOLDERS so that tests
-# running every FOLDERS entry on every engine do not grow. llama.cpp's qwen2 graph loads only
-# heads * head_dim == hidden_size (qwen2-fit); qwen2-wide has heads twice as wide.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # scales at test lengths
+# Block cuts of the other families and settings `prunetool export --gguf` writes, kept apart from FOLDERS so
+# that tests running every FOLDERS entry on every engine do not grow. llama.cpp's qwen2 graph loads only
+# heads * head_dim == hidden_size (qwen2-fit); qwen2-wide has heads twice as wide. gemma3-qscale scales
+# queries by a query_pre_attn_scalar other than head_dim, which llama.cpp's gemma3 graph does not read.
 MORE_TINY = {
+    "mistral": lambda common: MistralConfig(**common, sliding_window=None),
+    "llama3rope": lambda common: LlamaConfig(**common, rope_parameters=dict(LLAMA3_ROPE)),
     "qwen2-fit": qwen2_heads(SIZES["hidden_size"] // SIZES["num_attention_heads"]),
     "qwen2-wide": qwen2_heads(2 * SIZES["hidden_size"] // SIZES["num_attention_heads"]),
     "qwen3": lambda common: Qwen3Config(**common, use_sliding_window=False),
+    "gemma3-qscale": lambda common: gemma3_text(common, query_pre_attn_scalar=32),
     "gemma3mm": gemma3_wrapper,
 }
 MORE_FOLDERS = {
+    "mistral-block": ("mistral", ("block", (0, 5))),
+    "llama3rope-block": ("llama3rope", ("block", (2,))),
     "qwen2-fit-block": ("qwen2-fit", ("block", (2, 3))),
     "qwen2-wide-block": ("qwen2-wide", ("block", (2, 3))),
     "qwen3-block": ("qwen3", ("block", (1, 4))),
+    "gemma3-qscale-block": ("gemma3-qscale", ("block", (1, 3))),
     "gemma3mm-block": ("gemma3mm", ("block", (1, 3))),
 }
 SMOLLM2_CUT = tuple(range(13, 19))

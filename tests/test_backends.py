@@ -1,5 +1,6 @@
-"""Evaluation backends: `eval --backend vllm` is refused cleanly without vllm, passes its parallel sizes
-through, and pruned checkpoints keep the config fields vLLM reads (checked without running vLLM)."""
+"""Evaluation backends: `eval --backend vllm` is refused cleanly without vllm (neither in this venv nor in the
+engine venv of `make engines`; tests/test_engine_vllm_eval.py runs it), passes its parallel sizes through,
+and pruned checkpoints keep the config fields vLLM reads (checked without running vLLM)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def vllm_missing() -> bool:
 
 
 @pytest.mark.skipif(not vllm_missing(), reason="vllm is installed here: the refusal only applies without it")
-def test_backend_vllm_without_vllm_is_one_line(tiny_checkpoint):
+def test_backend_vllm_without_vllm_is_one_line(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRUNETOOL_ENGINES", str(tmp_path / "no-engines"))  # nor vLLM's CPU build (make engines)
     result = runner.invoke(app, ["eval", str(tiny_checkpoint("llama")), "--backend", "vllm", "--tasks", "arc_easy"])
-    assert_refused(result, "--backend vllm", "vllm package")
+    assert_refused(result, "--backend vllm", "make engines", "pip install vllm")
 
 
 @pytest.mark.parametrize("options, words", [

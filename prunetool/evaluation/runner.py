@@ -117,6 +117,49 @@ def make_vllm_lm(arguments: dict):
         return VLLM(**arguments)
 
 
+SERVER_BATCH = 8  # prompts per request to vLLM's server when --batch-size is auto
+SERVER_CONCURRENT = 1  # one batched request at a time: lm-eval's synchronous client (its asyncio one leaves
+                       # "Task exception was never retrieved" on stderr when a request fails)
+SERVER_TIMEOUT = 1800  # seconds per request; a batch of long windows on two busy cores takes minutes
+
+
+def server_lengths(requested: int | None, context: int | None) -> tuple[int, int]:
+    """(tokens per forward as the hf backend counts them, lm-eval's max_length for the completions API).
+
+    lm-eval's API models keep `max_length - 1` tokens per request and score them with echo, so a request
+    carries one more token than HFLM feeds; with `max_length + 2` both score the same windows (same
+    truncation, same rolling windows). The server's --max-model-len is the API value, capped by the model's
+    context, where the last token of a full-length request would have no position left."""
+    if requested is not None:
+        length = requested
+    else:
+        length = min(DEFAULT_MAX_LENGTH, context) if context else DEFAULT_MAX_LENGTH
+    api = length + 2
+    return length, min(api, context) if context else api
+
+
+def server_batch(batch_size: str) -> int:
+    """Prompts per request to the server: --batch-size, or SERVER_BATCH for auto."""
+    return SERVER_BATCH if batch_size == "auto" else int(batch_size)
+
+
+def make_server_lm(completions_url: str, model: str, tokenizer: str, *, max_length: int, batch_size: str,
+                   trust_remote_code: bool):
+    """lm-eval's own `local-completions` model on a served model: log-likelihoods through echo + logprobs,
+    requests as token ids from the folder's tokenizer (the same ids HFLM would feed)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    with quiet_lm_eval():
+        return LocalCompletionsAPI(base_url=completions_url, model=model, tokenizer=tokenizer,
+                                   tokenizer_backend="huggingface", tokenized_requests=True, max_length=max_length,
+                                   # HFLM leaves add_special_tokens to the tokenizer (True: a BOS where its template
+                                   # adds one); the API models pass False unless add_bos_token, which passes True
+                                   add_bos_token=True,
+                                   batch_size=server_batch(batch_size),
+                                   num_concurrent=SERVER_CONCURRENT, max_retries=1, timeout=SERVER_TIMEOUT,
+                                   trust_remote_code=trust_remote_code)
+
+
 class TaskManagers:
     """The shipped local configs (bound to the data folder) and lm-eval's own index, built on first use."""
 

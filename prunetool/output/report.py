@@ -151,10 +151,13 @@ def efficiency_table(report: dict) -> Table | None:
     if not rows:
         return None
     setting = next(iter(rows.values()))["setting"]
-    table = Table(title=f"efficiency on {setting['device']} ({setting['dtype']}, batch {setting['batch']}, median of "
-                        f"{setting['repeats']}; prefill {setting['prefill_tokens']} tokens, decode "
-                        f"{setting['decode_tokens']} after {setting['decode_prompt_tokens']})",
-                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    if setting.get("engine"):  # measured in a serving engine: its workload says what the speeds are
+        title = f"efficiency in {setting['engine']} on {setting['device']} ({setting['dtype']}; {setting['workload']})"
+    else:
+        title = (f"efficiency on {setting['device']} ({setting['dtype']}, batch {setting['batch']}, median of "
+                 f"{setting['repeats']}; prefill {setting['prefill_tokens']} tokens, decode "
+                 f"{setting['decode_tokens']} after {setting['decode_prompt_tokens']})")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     columns = (("parameters", "parameters", "{:,.0f}"), ("kv_cache_bytes_per_token", "KV bytes/token", "{:,.0f}"),
                ("prefill_tokens_per_second", "prefill tok/s", "{:,.0f}"),
                ("decode_tokens_per_second", "decode tok/s", "{:,.1f}"), ("peak_memory_bytes", "peak MiB", None))
