@@ -218,8 +218,12 @@ def table(results: dict) -> str:
     lines = [f"SmolLM2-135M and two cuts of it (layers 13-18): tokens/s, median of {setting['repeats']} "
              f"repeat{'s' * (setting['repeats'] != 1)} with the range, models alternated within each repeat; "
              f"x = relative to the base. Every request generates {setting['new_tokens']} tokens."]
-    if setting["repeats"] < DEFAULTS["repeats"] or setting["new_tokens"] < DEFAULTS["new_tokens"]:
+    if setting["repeats"] < 2 or setting["new_tokens"] < 16:
         lines.append("**A smoke run with reduced settings: these numbers only show that the benchmark runs.**")
+    elif setting["repeats"] < DEFAULTS["repeats"] or setting["new_tokens"] < DEFAULTS["new_tokens"]:
+        lines.append(f"**A reduced run ({setting['repeats']} repeats, {setting['new_tokens']} new tokens; the full "
+                     "run is `python bench/serving.py`): ranges over so few repeats on a shared 2-core machine are "
+                     "wide, so read only differences well beyond them.**")
     for engine, label in (("vllm", "vLLM"), ("llamacpp", "llama.cpp")):
         part = results.get(engine) or {}
         if "skipped" in part:
