@@ -13,6 +13,7 @@ import torch
 
 from prunetool.errors import OptionError
 from prunetool.serving.engines import SETUP_HINT, vllm_python
+from prunetool.serving.vllm_server import needs_remote_code
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -24,12 +25,6 @@ class Continuation:
     tokens: list[int]
     logprobs: list[float]
     prompt_logprobs: list[float | None]
-
-
-def needs_remote_code(folder: Path) -> bool:
-    """nemotron-nas folders carry their own configuration code, which transformers < 5.20 (vLLM's) needs."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    return "auto_map" in config
 
 
 def vllm_continuations(folders: list[Path], prompts: list[list[int]], *, max_tokens: int, dtype: str = "float32",
