@@ -1,13 +1,16 @@
-"""Does vLLM compute what transformers computes on every kind of folder prunetool writes?
+"""Do vLLM and llama.cpp compute what transformers computes on every kind of folder prunetool writes?
 
-Builds the folders the engine tests use (tiny Llama, Qwen2 and Gemma 3 block cuts; Llama and Qwen2 attention,
-MLP and mixed nemotron-nas cuts; SmolLM2 with layers 13-18 removed as blocks and as attention), runs each in
-vLLM (`make engines`), and replays its greedy continuations (12 tokens on tiny models, 16 on SmolLM2)
-through transformers in float32: how many sequences are transformers' greedy ones, and the largest gap
-between the two sides' log-probs of the chosen and the prompt tokens. (llama.cpp's agreement is checked by
-tests/test_engine_llamacpp.py; a `llamacpp` column is rendered when a results file carries one.)
+Builds the folders the engine tests use (tiny Llama, Qwen2 and Gemma 3, uncut and block cuts; Llama and Qwen2
+attention, MLP and mixed nemotron-nas cuts; SmolLM2 uncut and with layers 13-18 removed as blocks and as
+attention) and runs each in both engines (`make engines`), transformers in float32 beside them:
+- vLLM: greedy continuations (12 tokens on tiny models, 16 on SmolLM2) replayed through transformers: how
+  many sequences are transformers' greedy ones, and the largest gap between the two sides' log-probs of the
+  chosen and the prompt tokens;
+- llama.cpp: `prunetool export --type f32`, then the largest log-prob gap over every position and vocabulary
+  entry of the same prompts, and `llama-perplexity` beside transformers on the same WikiText-2 windows
+  (4 windows of 128 tokens on tiny models, 4 of 512 on SmolLM2; float32 KV cache).
 
-Run:   .venv/bin/python bench/engine_equality.py --engines vllm   # -> bench/results/engine_equality.json
+Run:   .venv/bin/python bench/engine_equality.py   # -> bench/results/engine_equality.json (about 10 minutes)
 """
 
 from __future__ import annotations
@@ -50,38 +53,78 @@ def build(work: Path) -> dict[str, tuple[Path, str]]:
 
 
 def prompts_for(folder: Path, real: bool) -> list[list[int]]:
-    import torch
     from transformers import AutoTokenizer
 
+    from engine_models import random_prompts, wikitext_prompts
+
     if real:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        lines = [line for line in DATA.read_bytes().decode("utf-8").split("\r\n") if len(line) > 200][:8]
-        return [tokenizer(line[:300])["input_ids"] for line in lines]
-    generator = torch.Generator().manual_seed(0)
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    return [torch.randint(8, vocab, (int(length),), generator=generator).tolist() for length in (20, 27, 33, 39)]
+        return wikitext_prompts(AutoTokenizer.from_pretrained(folder), DATA.parent)
+    return random_prompts(json.loads((folder / "config.json").read_text())["vocab_size"])
+
+
+def groups(folders: dict[str, tuple[Path, str]]):
+    """(real, {name: folder}, prompts): the tiny folders share a vocabulary, the SmolLM2 ones theirs."""
+    for real in (False, True):
+        group = {name: folder for name, (folder, _) in folders.items() if name.startswith("smollm2") == real}
+        yield real, group, prompts_for(next(iter(group.values())), real)
+
+
+def load_transformers(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prunetool.serving.vllm_tokens import needs_remote_code
+
+    trust = needs_remote_code(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust).eval()
+    return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
 
 
 def vllm_rows(folders: dict[str, tuple[Path, str]]) -> dict[str, dict]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from prunetool.serving.vllm_tokens import agreement, needs_remote_code, vllm_continuations
+    from prunetool.serving.vllm_tokens import agreement, vllm_continuations
 
     rows = {}
-    for real in (False, True):
-        group = {name: folder for name, (folder, _) in folders.items() if name.startswith("smollm2") == real}
-        prompts = prompts_for(next(iter(group.values())), real)
+    for real, group, prompts in groups(folders):
         answers = vllm_continuations(list(group.values()), prompts, max_tokens=16 if real else 12, strict=False)
         for name, folder in group.items():
             if isinstance(answers[folder], str):
                 rows[name] = {"error": answers[folder]}
                 continue
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                         trust_remote_code=needs_remote_code(folder)).eval()
-            found = agreement(model, prompts, answers[folder], tie=TIE)
+            found = agreement(load_transformers(folder)[0], prompts, answers[folder], tie=TIE)
             rows[name] = {"sequences": len(prompts), "sequences_equal": found.sequences_equal,
                           "tokens": found.tokens, "worst_logprob_gap": found.worst_logprob_gap}
+    return rows
+
+
+def llamacpp_rows(folders: dict[str, tuple[Path, str]], work: Path) -> dict[str, dict]:
+    import torch
+
+    from engine_models import wikitext_prefix
+    from prunetool.checkpoint.gguf import export_gguf
+    from prunetool.serving.engines import llamacpp
+    from prunetool.serving.llamacpp_tokens import llamacpp_logits, log_softmax, max_logprob_gap, perplexity_pair
+
+    engine = llamacpp()
+    if engine is None:
+        raise SystemExit("llama.cpp is not set up: run `make engines`")
+    rows = {}
+    for real, group, prompts in groups(folders):
+        ggufs = {name: work / f"{name}.f32.gguf" for name in group}
+        for name, folder in group.items():
+            export_gguf(folder, ggufs[name], "f32")
+        logits = llamacpp_logits(engine, list(ggufs.values()), prompts)
+        text_path, _ = wikitext_prefix(DATA.parent, work, 24_000 if real else 12_000)
+        n_ctx = 512 if real else 128
+        for index, (name, folder) in enumerate(group.items()):
+            model, tokenizer = load_transformers(folder)
+            with torch.no_grad():
+                reference = [log_softmax(model(torch.tensor([ids])).logits[0]) for ids in prompts]
+            ours = [log_softmax(logits[f"logits_{index}_{number}"]) for number in range(len(prompts))]
+            perplexity, transformers_perplexity = perplexity_pair(engine, model, tokenizer, ggufs[name], text_path,
+                                                                  n_ctx=n_ctx, chunks=4)
+            rows[name] = {"gguf_type": "f32", "worst_logprob_gap": max_logprob_gap(ours, reference),
+                          "perplexity": perplexity, "transformers_perplexity": transformers_perplexity,
+                          "windows": f"4 x {n_ctx} tokens"}
     return rows
 
 
@@ -89,7 +132,7 @@ def table(results: dict) -> str:
     rows = results["folders"]
     llama = any("llamacpp" in row for row in rows.values())
     lines = ["| folder | vLLM: greedy sequences equal | vLLM: max log-prob gap |"
-             + (" llama.cpp: max log-prob gap | llama.cpp: perplexity, transformers |" if llama else ""),
+             + (" llama.cpp f32 GGUF: max log-prob gap | llama-perplexity against transformers |" if llama else ""),
              "|---|---|---|" + ("---|---|" if llama else "")]
     for row in rows.values():
         vllm = row.get("vllm", {})
@@ -100,15 +143,15 @@ def table(results: dict) -> str:
         if llama:
             other = row.get("llamacpp", {})
             line += (f" {other['worst_logprob_gap']:.1e} |" if "worst_logprob_gap" in other else " - |")
-            line += (f" {other['perplexity']:.4f}, {other['transformers_perplexity']:.4f} |" if "perplexity" in other
-                     else " - |")
+            line += (f" {other['perplexity']:.4f} against {other['transformers_perplexity']:.4f} |"
+                     if "perplexity" in other else " - |")
         lines.append(line)
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="vllm", help="vllm (the only engine this script runs yet)")
+    parser.add_argument("--engines", default="vllm,llamacpp", help="which engines to run (comma-separated)")
     args = parser.parse_args()
     engines = args.engines.split(",")
     with tempfile.TemporaryDirectory(prefix="engine-equality-") as work:
@@ -117,6 +160,9 @@ def main() -> None:
         if "vllm" in engines:
             for name, row in vllm_rows(folders).items():
                 results[name]["vllm"] = row
+        if "llamacpp" in engines:
+            for name, row in llamacpp_rows(folders, Path(work)).items():
+                results[name]["llamacpp"] = row
     write_results("engine_equality", {"tie": TIE, "folders": results})
 
 

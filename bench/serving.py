@@ -1,8 +1,9 @@
 """SmolLM2 and two cuts of it in the serving engines: prefill and decode tokens/s in vLLM and in llama.cpp.
 
-Models: the base (SmolLM2-135M), block -6 (layers 13-18 removed; a plain Llama folder) and attention -6
-(the attention sublayers of layers 13-18 removed; a nemotron-nas folder), written with prunetool's own
-writers into --work. All float32 in vLLM; f16 GGUFs (`prunetool export --type f16`) in llama.cpp.
+Models: the base (SmolLM2-135M), block -6 (layers 13-18 removed; a plain Llama folder), attention -6
+(the attention sublayers of layers 13-18 removed; a nemotron-nas folder) and a mixed cut (blocks 16-18
+removed, then the attention of layers 13-15; nemotron-nas), written with prunetool's own writers into
+--work. The three cuts remove the same six attention sublayers, so their KV cache is the same (0.80x). All float32 in vLLM; f16 GGUFs (`prunetool export --type f16`) in llama.cpp.
 
 vLLM (the CPU build of `make engines`): one OpenAI-compatible server per model, all three up at once
 (prefix cache off, a fixed KV cache space, one OMP thread as vLLM reserves on 2 CPUs). For every prompt
@@ -18,7 +19,7 @@ Models alternate inside every repeat (the order rotates), so drift on this share
 of them; each cell is the median over --repeats with its range. A model llama.cpp cannot take (no export
 command yet, or an export that fails) is skipped with the reason in the results.
 
-Full run (about 30 minutes on an idle 2-core machine; do not run it beside other work):
+Full run (about an hour on an idle 2-core machine; do not run it beside other work):
     .venv/bin/python bench/serving.py
 Smoke run (minutes; proves the plumbing, and the rendered table says its numbers mean nothing):
     .venv/bin/python bench/serving.py --repeats 1 --prompt-lengths 16,64 --new-tokens 4 --concurrency 1,2
@@ -43,9 +44,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 BASE = "smollm2-135m"
 CUT = tuple(range(13, 19))
-MODELS = {"base": "base", "block6": "block -6 (layers 13-18)", "attn6": "attention -6 (layers 13-18)"}
-DEFAULTS = dict(repeats=3, prompt_lengths=(64, 1024), new_tokens=128, concurrency=(1, 16), threads=1)
+MIXED_BLOCKS, MIXED_ATTENTION = (16, 17, 18), (13, 14, 15)
+MODELS = {"base": "base", "block6": "block -6 (layers 13-18)", "attn6": "attention -6 (layers 13-18)",
+          "mixed": "blocks 16-18 + attention 13-15"}
+DEFAULTS = dict(repeats=3, prompt_lengths=(64, 1024), new_tokens=64, concurrency=(1, 16), threads=1)
 KV_CACHE_GIB = 2
+LLAMA_BENCH_RUNS = 3  # llama-bench's own repetitions inside each call; its mean is one value of the repeat
 
 
 def say(message: str) -> None:
@@ -56,14 +60,14 @@ def say(message: str) -> None:
 
 
 def build_folders(work: Path) -> dict[str, Path]:
-    """base, block6, attn6 as prunetool writes them (kept in --work between runs)."""
+    """base, block6, attn6 and mixed as prunetool writes them (kept in --work between runs)."""
     from prunetool.checkpoint.surgery import write_nemotron_checkpoint, write_pruned_checkpoint
     from prunetool.select.plan import PrunePlan
     from prunetool.sources import resolve_model
 
     base = resolve_model(BASE).path
     layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
-    folders = {"base": base, "block6": work / "block6", "attn6": work / "attn6"}
+    folders = {"base": base, "block6": work / "block6", "attn6": work / "attn6", "mixed": work / "mixed"}
     if not (folders["block6"] / "config.json").exists():
         say("writing block6")
         plan = PrunePlan(base_model=str(base), num_layers=layers, removed=CUT, criterion="manual")
@@ -71,7 +75,33 @@ def build_folders(work: Path) -> dict[str, Path]:
     if not (folders["attn6"] / "config.json").exists():
         say("writing attn6")
         write_nemotron_checkpoint(base, folders["attn6"], removed_attention=CUT, removed_mlp=())
+    if not (folders["mixed"] / "config.json").exists():
+        say("writing mixed")
+        blocks = work / "mixed-blocks"
+        plan = PrunePlan(base_model=str(base), num_layers=layers, removed=MIXED_BLOCKS, criterion="manual")
+        write_pruned_checkpoint(base, plan, blocks, force=True)
+        # the attention layers come before the removed blocks, so their indices do not shift
+        write_nemotron_checkpoint(blocks, folders["mixed"], removed_attention=MIXED_ATTENTION, removed_mlp=())
     return folders
+
+
+def sizes(folders: dict[str, Path]) -> dict[str, dict]:
+    """Parameters (every tensor in the folder) and KV-cache bytes per token in float32 (every layer that runs
+    attention), read from the folders themselves."""
+    from prunetool.sources.weights import read_weights
+
+    found = {}
+    for name, folder in folders.items():
+        config = json.loads((folder / "config.json").read_text())
+        weights = read_weights(folder)
+        parameters = sum(entry.numel for shard in weights.shards for entry in shard.entries)
+        blocks = config.get("block_configs")
+        attention_layers = (sum(1 for block in blocks if not block["attention"]["no_op"]) if blocks else
+                            config["num_hidden_layers"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        found[name] = {"parameters": parameters,
+                       "kv_bytes_per_token": attention_layers * 2 * config["num_key_value_heads"] * head_dim * 4}
+    return found
 
 
 def spread(values: list[float]) -> dict:
@@ -154,7 +184,7 @@ def export_gguf(folder: Path, out: Path) -> str | None:
 
 
 def llama_bench(tool: Path, gguf: Path, arguments: list[str]) -> list[dict]:
-    result = subprocess.run([str(tool), "-m", str(gguf), "-r", "1", "-o", "json", *arguments], capture_output=True,
+    result = subprocess.run([str(tool), "-m", str(gguf), "-r", str(LLAMA_BENCH_RUNS), "-o", "json", *arguments], capture_output=True,
                             text=True, timeout=3600)
     if result.returncode != 0:
         raise RuntimeError(f"llama-bench failed on {gguf.name}: {result.stderr.strip().splitlines()[-1:]}")
@@ -215,9 +245,18 @@ def run_llamacpp(folders: dict[str, Path], args) -> dict:
 
 def table(results: dict) -> str:
     setting = results["setting"]
-    lines = [f"SmolLM2-135M and two cuts of it (layers 13-18): tokens/s, median of {setting['repeats']} "
+    lines = [f"SmolLM2-135M and three cuts of it, each without six attention sublayers: tokens/s, median of {setting['repeats']} "
              f"repeat{'s' * (setting['repeats'] != 1)} with the range, models alternated within each repeat; "
              f"x = relative to the base. Every request generates {setting['new_tokens']} tokens."]
+    if results.get("sizes"):
+        found = results["sizes"]
+        base = found["base"]
+        lines += ["", "| | " + " | ".join(MODELS[n] for n in found) + " |", "|---|" + "---:|" * len(found),
+                  "| parameters | " + " | ".join(f"{v['parameters'] / 1e6:.1f}M ({v['parameters'] / base['parameters']:.2f}x)"
+                                             for v in found.values()) + " |",
+                  "| KV cache per token (float32) | " + " | ".join(
+                      f"{v['kv_bytes_per_token'] / 1024:.1f} KiB ({v['kv_bytes_per_token'] / base['kv_bytes_per_token']:.2f}x)"
+                      for v in found.values()) + " |"]
     if setting["repeats"] < 2 or setting["new_tokens"] < 16:
         lines.append("**A smoke run with reduced settings: these numbers only show that the benchmark runs.**")
     elif setting["repeats"] < DEFAULTS["repeats"] or setting["new_tokens"] < DEFAULTS["new_tokens"]:
@@ -284,14 +323,24 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "prunetool" / "bench-serving",
                         help="where the cut folders and GGUFs are written (kept between runs)")
     parser.add_argument("--output", type=Path, help="write here instead of bench/results/serving.json")
+    parser.add_argument("--sizes-only", action="store_true", help="add the models' parameters and KV bytes to the "
+                        "existing results (no timing) and print the table")
     args = parser.parse_args()
     if args.repeats < 1 or args.new_tokens < 2:
         parser.error("--repeats must be at least 1 and --new-tokens at least 2")
     engines = {name.strip() for name in args.engines.split(",")}
     args.work.mkdir(parents=True, exist_ok=True)
     folders = build_folders(args.work)
+    if args.sizes_only:
+        path = args.output or ROOT / "bench" / "results" / "serving.json"
+        results = json.loads(path.read_text())
+        results["sizes"] = sizes(folders)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        print(table(results))
+        return
     started = time.perf_counter()
     results = {"setting": {"models": {name: MODELS[name] for name in folders}, "base": BASE, "cut": list(CUT),
+                           "mixed": {"blocks": list(MIXED_BLOCKS), "attention": list(MIXED_ATTENTION)},
                            "repeats": args.repeats, "prompt_lengths": list(args.prompt_lengths),
                            "new_tokens": args.new_tokens, "concurrency": list(args.concurrency),
                            "threads": args.threads}}
@@ -299,6 +348,7 @@ def main() -> None:
     results["llamacpp"] = (run_llamacpp(folders, args) if "llamacpp" in engines else
                            {"skipped": "not asked for (--engines)"})
     results["seconds"] = round(time.perf_counter() - started, 1)
+    results["sizes"] = sizes(folders)
     if args.output is None:
         from provenance import write_results
 

@@ -11,6 +11,7 @@ serving notes measured (layers 13-18).
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,28 @@ MORE_FOLDERS = {
 }
 SMOLLM2_CUT = tuple(range(13, 19))
 REAL_FOLDERS = {"smollm2-block6": ("block", SMOLLM2_CUT), "smollm2-attn6": ("sublayers", SMOLLM2_CUT, ())}
+
+
+def random_prompts(vocab: int, count: int = 4, seed: int = 0) -> list[list[int]]:
+    """Random token prompts longer than Gemma 3's 16-token test window; ids above the special tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(8, vocab) for _ in range(rng.randrange(20, 40))] for _ in range(count)]
+
+
+def wikitext_prompts(tokenizer, data: Path, count: int = 8) -> list[list[int]]:
+    """The first 300 characters of the first `count` long WikiText-2 lines (the real-model prompts)."""
+    lines = [line for line in (data / "wikitext2-test.raw").read_bytes().decode("utf-8").split("\r\n")
+             if len(line) > 200][:count]
+    return [tokenizer(line[:300])["input_ids"] for line in lines]
+
+
+def wikitext_prefix(data: Path, out_dir: Path, size: int) -> tuple[Path, str]:
+    """The first `size` bytes of WikiText-2 (to a line end), bytes as they are: CRLF kept, as llama-perplexity reads."""
+    raw = (data / "wikitext2-test.raw").read_bytes()
+    cut = raw[: raw.index(b"\n", size) + 1]
+    path = out_dir / f"wikitext-prefix-{size}.raw"
+    path.write_bytes(cut)
+    return path, cut.decode("utf-8")
 
 
 def make_base(arch: str, path: Path) -> Path:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +25,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from engine_models import FOLDERS, LAYERS, MORE_FOLDERS, SIZES
+from engine_models import FOLDERS, LAYERS, MORE_FOLDERS, SIZES, wikitext_prefix
 from prunetool.cli import app
 from prunetool.checkpoint.gguf import export_gguf
+from prunetool.serving.llamacpp_tokens import (WORKER, llama_tokenize, llamacpp_logits, log_softmax, max_logprob_gap,
+                                               perplexity_pair)
 
 TESTS = Path(__file__).resolve().parent
 TINY_FOLDERS = [*FOLDERS, *MORE_FOLDERS]
@@ -79,22 +80,6 @@ def load_transformers(folder: Path):
     return model, tokenizer
 
 
-def log_softmax(logits) -> np.ndarray:
-    return torch.log_softmax(torch.as_tensor(np.asarray(logits), dtype=torch.float64), dim=-1).numpy()
-
-
-def llamacpp_run(engine, models: list[Path], tmp_path: Path, sequences=(), texts=()) -> dict:
-    """Logits per model and sequence, llama.cpp's tokenization per model and text (tests/llamacpp_probe.py)."""
-    request, out = tmp_path / "probe.json", tmp_path / "probe.npz"
-    request.write_text(json.dumps({"models": [str(m) for m in models], "sequences": [list(s) for s in sequences],
-                                   "texts": list(texts)}))
-    done = subprocess.run([sys.executable, str(TESTS / "llamacpp_probe.py"), str(request), str(out)],
-                          env={**os.environ, **engine.python_env()}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    with np.load(out) as data:
-        return {key: data[key] for key in data.files}
-
-
 @pytest.fixture(scope="session")
 def transformers_reference(engine_folder):
     """name -> (token ids of PROMPTS, float64 log-probabilities at every position), from transformers."""
@@ -137,17 +122,13 @@ def llamacpp_logprobs(llamacpp_engine, exported, transformers_reference, tmp_pat
         if name not in cache:
             ids, _ = transformers_reference(name)
             paths = [exported(name, type_name)[0] for type_name in types]
-            data = llamacpp_run(llamacpp_engine, paths, tmp_path_factory.mktemp("probe"), ids, PROMPTS)
+            data = llamacpp_logits(llamacpp_engine, paths, ids, PROMPTS)
             cache[name] = {type_name: ([data[f"tokens_{m}_{j}"].tolist() for j in range(len(PROMPTS))],
                                        [log_softmax(data[f"logits_{m}_{i}"]) for i in range(len(ids))])
                            for m, type_name in enumerate(types)}
         return cache[name]
 
     return run
-
-
-def max_difference(ours: list[np.ndarray], reference: list[np.ndarray]) -> float:
-    return max(float(np.abs(a - b).max()) for a, b in zip(ours, reference))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,7 +144,7 @@ def test_f32_export_gives_transformers_logprobs(name, engine_folder, exported, t
     assert exported(name)[1].architecture == expected_architecture(engine_folder(name))
     assert min(len(seq) for seq in ids) > 16  # past Gemma 3's test window
     assert tokens == ids, "llama.cpp tokenizes the prompts differently from transformers"
-    difference = max_difference(logprobs, reference)
+    difference = max_logprob_gap(logprobs, reference)
     assert difference <= f32_bound(name), f"{name}: max |log-prob difference| {difference:.2e}"
 
 
@@ -173,72 +154,11 @@ def test_f32_export_gives_transformers_logprobs(name, engine_folder, exported, t
 def test_smaller_types_load_and_stay_close(name, type_name, transformers_reference, llamacpp_logprobs):
     _, reference = transformers_reference(name)
     _, logprobs = llamacpp_logprobs(name)[type_name]
-    difference = max_difference(logprobs, reference)
+    difference = max_logprob_gap(logprobs, reference)
     assert difference <= TYPE_BOUND[type_name], f"{name} {type_name}: max |log-prob difference| {difference:.2e}"
     chosen = [np.argmax(lp, -1) for lp in logprobs]
     agree = np.mean(np.concatenate([a == np.argmax(r, -1) for a, r in zip(chosen, reference)]))
     assert agree >= 0.8, f"{name} {type_name}: top-1 agreement {agree:.2f}"  # measured >= 0.91 (near-tied tiny logits)
-
-
-def llama_perplexity(engine, gguf: Path, text: Path, n_ctx: int, chunks: int) -> float:
-    """llama-perplexity's running estimate after `chunks` windows (float32 KV cache, one window per batch).
-
-    llama.cpp's logger prints from a thread that the process does not wait for at exit (common/log.cpp
-    leaks it on purpose), so the last lines, the final estimate among them, are sometimes lost. One more
-    window is run, and the estimate printed after `chunks` windows (exp of the mean NLL so far, the same
-    formula as the final one) is read while that window computes.
-    """
-    command = [str(engine.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c", str(n_ctx), "-b",
-               str(n_ctx), "--chunks", str(chunks + 1), "-t", "2", "-ctk", "f32", "-ctv", "f32", "-fa", "off"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    running = dict(re.findall(r"\[(\d+)\]([0-9.]+),", done.stdout + done.stderr))
-    assert done.returncode == 0 and str(chunks) in running, (done.stdout + done.stderr)[-3000:]
-    return float(running[str(chunks)])
-
-
-def transformers_perplexity(model, tokens: list[int], n_ctx: int, chunks: int, bos: int | None) -> float:
-    """The windows llama-perplexity scores: consecutive n_ctx-token windows of the whole text's tokens, BOS
-    over each window's first token when the tokenizer adds one, predictions for the second half only."""
-    first, total, count = n_ctx // 2, 0.0, 0
-    for chunk in range(chunks):
-        window = tokens[chunk * n_ctx:(chunk + 1) * n_ctx]
-        if bos is not None:
-            window = [bos] + window[1:]
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor([window])).logits[0].double(), dim=-1)
-        targets = torch.tensor(window[first + 1:])
-        total -= logprobs[first:n_ctx - 1].gather(1, targets[:, None]).sum().item()
-        count += n_ctx - 1 - first
-    return float(np.exp(total / count))
-
-
-def wikitext_prefix(shared_data: Path, tmp_path: Path, size: int) -> tuple[Path, str]:
-    """The first `size` bytes of WikiText-2 (to a line end), bytes as they are: CRLF kept, as llama-perplexity reads."""
-    raw = (shared_data / "wikitext2-test.raw").read_bytes()
-    cut = raw[: raw.index(b"\n", size) + 1]
-    path = tmp_path / "wikitext-prefix.raw"
-    path.write_bytes(cut)
-    return path, cut.decode("utf-8")
-
-
-def llama_tokenize(engine, gguf: Path, text: Path) -> list[int]:
-    """llama-tokenize on the file's bytes: the model's BOS rule, special tokens not parsed (as llama-perplexity)."""
-    done = subprocess.run([str(engine.tool("llama-tokenize")), "-m", str(gguf), "-f", str(text), "--ids",
-                           "--no-parse-special", "--log-disable"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def perplexity_pair(engine, folder: Path, gguf: Path, text_path: Path, text: str, n_ctx: int,
-                    chunks: int) -> tuple[float, float]:
-    """(llama.cpp, transformers) perplexity on the same tokens, after checking both tokenize the text alike."""
-    model, tokenizer = load_transformers(folder)
-    tokens = tokenizer(text)["input_ids"]
-    assert llama_tokenize(engine, gguf, text_path) == tokens, "llama.cpp tokenizes the text differently"
-    assert len(tokens) >= n_ctx * (chunks + 1)  # llama_perplexity runs one window more
-    adds_bos = tokenizer.bos_token_id is not None and tokens[:1] == [tokenizer.bos_token_id]
-    reference = transformers_perplexity(model, tokens, n_ctx, chunks, tokenizer.bos_token_id if adds_bos else None)
-    return llama_perplexity(engine, gguf, text_path, n_ctx, chunks), reference
 
 
 # one folder per llama.cpp graph and nemotron-nas cut kind (every folder's logits are compared above)
@@ -251,8 +171,9 @@ PERPLEXITY_FOLDERS = ["llama-block", "qwen2-block", "qwen3-block", "gemma3-block
 def test_llama_perplexity_matches_transformers(name, engine_folder, exported, llamacpp_engine, shared_data,
                                                tmp_path):
     text_path, text = wikitext_prefix(shared_data, tmp_path, 12_000)
-    ours, reference = perplexity_pair(llamacpp_engine, engine_folder(name), exported(name)[0], text_path, text,
-                                      n_ctx=128, chunks=4)
+    model, tokenizer = load_transformers(engine_folder(name))
+    ours, reference = perplexity_pair(llamacpp_engine, model, tokenizer, exported(name)[0], text_path, n_ctx=128,
+                                      chunks=4)
     assert abs(ours / reference - 1) < 1e-3, f"{name}: llama-perplexity {ours:.4f}, transformers {reference:.4f}"
 
 
@@ -268,7 +189,8 @@ def test_smollm2_cuts_in_llama_perplexity(name, engine_folder, llamacpp_engine, 
     written = json.loads(result.stdout)
     assert written["architecture"] == ("deci" if name.endswith("attn6") else "llama")
     text_path, text = wikitext_prefix(shared_data, tmp_path, 24_000)
-    ours, reference = perplexity_pair(llamacpp_engine, folder, gguf, text_path, text, n_ctx=512, chunks=4)
+    model, tokenizer = load_transformers(folder)
+    ours, reference = perplexity_pair(llamacpp_engine, model, tokenizer, gguf, text_path, n_ctx=512, chunks=4)
     assert abs(ours / reference - 1) < 1e-3, f"{name}: llama-perplexity {ours:.4f}, transformers {reference:.4f}"
 
 
@@ -442,8 +364,8 @@ def test_official_gemma3_file_ignores_the_cut_window_pattern(official, transform
                                                              tmp_path):
     """The converter's Gemma 3 file is llama.cpp's default pattern (5 sliding, 1 full) over the 4 kept layers."""
     ids, reference = transformers_reference("gemma3-block")
-    data = llamacpp_run(llamacpp_engine, [official["gemma3-block"][0]], tmp_path, ids)
-    difference = max_difference([log_softmax(data[f"logits_0_{i}"]) for i in range(len(ids))], reference)
+    data = llamacpp_logits(llamacpp_engine, [official["gemma3-block"][0]], ids)
+    difference = max_logprob_gap([log_softmax(data[f"logits_0_{i}"]) for i in range(len(ids))], reference)
     assert difference > 100 * GEMMA3_F32_BOUND
 
 
@@ -454,9 +376,9 @@ def test_official_converter_keeps_qwen2_rows_where_llama_cpp_cannot_load_them(en
     converter writes qwen2's, which sizes q_proj as hidden x hidden and so cannot load them."""
     folder, (path, returncode, log) = engine_folder("qwen2-wide-block"), official["qwen2-wide-block"]
     assert returncode == 0, log[-3000:]
-    load = ("import sys; sys.path.insert(0, sys.argv[1]); from llamacpp_probe import import_llama_cpp; "
+    load = ("import sys; sys.path.insert(0, sys.argv[1]); from llamacpp_worker import import_llama_cpp; "
             "import_llama_cpp().Llama(model_path=sys.argv[2], verbose=True)")
-    loading = subprocess.run([sys.executable, "-c", load, str(TESTS), str(path)], capture_output=True, text=True,
+    loading = subprocess.run([sys.executable, "-c", load, str(WORKER.parent), str(path)], capture_output=True, text=True,
                              env={**os.environ, **llamacpp_engine.python_env()}, timeout=120)
     assert loading.returncode != 0 and "attn_q.weight' has wrong shape" in loading.stderr
     (ours, _), (theirs, their_keys) = read_gguf(exported("qwen2-wide-block")[0]), read_gguf(path)

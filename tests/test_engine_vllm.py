@@ -7,13 +7,12 @@ anything is written, and the unchecked folder is shown to fail in vLLM, so the r
 """
 
 import json
-import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_models import FOLDERS, LAYERS
+from engine_models import FOLDERS, LAYERS, random_prompts, wikitext_prompts
 from prunetool.checkpoint.nemotron_nas import convert
 from prunetool.checkpoint.surgery import write_nemotron_checkpoint
 from prunetool.errors import OptionError
@@ -25,12 +24,6 @@ pytestmark = pytest.mark.engines
 TOLERANCE = 2e-4
 MAX_TOKENS = 12
 TINY_FOLDERS = ["llama-base", "qwen2-base", "gemma3-base", *FOLDERS]
-
-
-def prompts_for(vocab: int, count: int = 4, seed: int = 0) -> list[list[int]]:
-    """Random token prompts longer than Gemma 3's 16-token window; ids above the special tokens."""
-    rng = random.Random(seed)
-    return [[rng.randrange(8, vocab) for _ in range(rng.randrange(20, 40))] for _ in range(count)]
 
 
 def compare(folder, prompts, continuations):
@@ -59,7 +52,7 @@ def tiny_answers(engine_folder, layer0_folders, vllm_engine):
     """vLLM's answers for every tiny folder, from one vLLM start-up."""
     folders = {name: engine_folder(name) for name in TINY_FOLDERS} | layer0_folders
     vocab = json.loads((folders["llama-base"] / "config.json").read_text())["vocab_size"]
-    prompts = prompts_for(vocab)
+    prompts = random_prompts(vocab)
     answers = vllm_continuations(list(folders.values()), prompts, max_tokens=MAX_TOKENS, strict=False)
     return {name: (folder, prompts, answers[folder]) for name, folder in folders.items()}
 
@@ -93,10 +86,7 @@ def test_real_smollm2_cuts_in_vllm_equal_transformers(engine_folder, vllm_engine
 
     names = ["smollm2-base", "smollm2-block6", "smollm2-attn6"]
     folders = [engine_folder(name) for name in names]
-    tokenizer = AutoTokenizer.from_pretrained(folders[0])
-    lines = [line for line in (shared_data / "wikitext2-test.raw").read_bytes().decode("utf-8").split("\r\n")
-             if len(line) > 200][:8]
-    prompts = [tokenizer(line[:300])["input_ids"] for line in lines]
+    prompts = wikitext_prompts(AutoTokenizer.from_pretrained(folders[0]), shared_data)
     answers = vllm_continuations(folders, prompts, max_tokens=16, threads=2)
     for name, folder in zip(names, folders):
         result = compare(folder, prompts, answers[folder])

@@ -1,6 +1,7 @@
-"""Run GGUF files in llama.cpp through its Python bindings; a script for a subprocess with LlamaCpp.python_env().
+"""Run GGUF files in llama.cpp through its Python bindings; a script for a subprocess with LlamaCpp.python_env()
+(llamacpp_tokens.llamacpp_logits starts it).
 
-    python tests/llamacpp_probe.py REQUEST.json OUT.npz
+    python llamacpp_worker.py REQUEST.json OUT.npz
 
 REQUEST: {"models": [gguf paths], "sequences": [[token ids], ...], "texts": ["...", ...], "kv_cache": "f32"}.
 OUT.npz gets `logits_<m>_<i>`: model m's logits at every position of sequence i (one llama_decode with
