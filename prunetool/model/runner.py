@@ -168,9 +168,20 @@ def bfloat16_copy(model: nn.Module) -> nn.Module:
     return low.eval()
 
 
+@contextlib.contextmanager
 def removed_units(model: nn.Module, removed, unit: str = "block"):
-    """The context that removes `removed` units: whole layers, or their attention or MLP sublayers."""
-    return layers_removed(model, removed) if unit == "block" else sublayers_removed(model, removed, unit)
+    """The context that removes a Cut, or the `unit` (whole layers, or their attention or MLP sublayers) of the
+    layers in `removed`. Sublayers are skipped first, by original index, then the whole blocks leave."""
+    from prunetool.cut import ATTENTION, BLOCK, MLP, Cut
+
+    cut = removed if isinstance(removed, Cut) else Cut.of(unit, removed, len(decoder_of(model).layers))
+    with contextlib.ExitStack() as stack:
+        for state in (ATTENTION, MLP):
+            if cut.layers_of(state):
+                stack.enter_context(sublayers_removed(model, cut.layers_of(state), state))
+        if cut.layers_of(BLOCK):
+            stack.enter_context(layers_removed(model, cut.layers_of(BLOCK)))
+        yield cut
 
 
 def as_runner(model) -> ModelRunner:
