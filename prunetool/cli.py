@@ -305,9 +305,14 @@ def show_scores(scores, drop: Optional[int], output: Optional[Path], plot: Optio
 # prune's own options
 DropOpt = Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers (or sublayers of --unit), "
                     "chosen by --criterion.")]
-UnitOpt = Annotated[str, typer.Option("--unit", help="What goes: block (whole decoder layers), attention (only the "
-                    "self-attention sublayers, and with them their KV cache) or mlp; sublayer cuts are written as a "
-                    "nemotron-nas (DeciLM) checkpoint (docs/pruning.md).")]
+UnitOpt = Annotated[Optional[str], typer.Option("--unit", help="What goes: block (whole decoder layers; the default "
+                    "for --drop and --remove-layers), attention (only the self-attention sublayers, and with them "
+                    "their KV cache) or mlp; sublayer cuts are written as a nemotron-nas (DeciLM) checkpoint "
+                    "(docs/pruning.md). With --target: the only kind the search may remove (default: all three).")]
+TargetOpt = Annotated[Optional[str], typer.Option("--target", help="A budget instead of a count: any of params=0.85 "
+                      "or params=110M, kv=0.75 or kv=16KiB (per token), memory=2GiB@ctx=4096,batch=8, decode=1.2x, "
+                      "prefill=1.3x (speed on this device). Finds the mixed cut of blocks, attention and MLP "
+                      "sublayers with the least calibration damage that meets all of them.")]
 RemoveLayersOpt = Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
                             "original indices, e.g. 3,7,12.")]
 CriterionOpt = Annotated[str, typer.Option("--criterion", help="halving (default), guided, qsim, tappa, bi, angular, "
@@ -348,7 +353,8 @@ PatchWindowsOpt = Annotated[Optional[int], typer.Option("--patch-windows", help=
 def prune(
     model: PruneModelArg = None,
     drop: DropOpt = None,
-    unit: UnitOpt = "block",
+    target: TargetOpt = None,
+    unit: UnitOpt = None,
     remove_layers: RemoveLayersOpt = None,
     old_layers: OldLayersOpt = None,
     criterion: CriterionOpt = "halving",
@@ -389,6 +395,8 @@ def prune(
     check_plot(plot)
     from prunetool.commands.prune import PruneRequest, run_prune
 
+    if target is not None:
+        from prunetool.commands.budget import run_budget
     request = PruneRequest(
         placement=placement_for(device_map, max_memory, offload_dir, low_memory), low_memory=low_memory,
         model=model, drop=drop, layers=one_of("--remove-layers", remove_layers, "--layers", old_layers),
@@ -398,9 +406,11 @@ def prune(
         verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
         shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens,
         screen_dtype=screen_dtype, patch=patch, patch_objective=patch_objective, patch_windows=patch_windows,
-        unit=unit,
+        unit=unit, target=target,
     )
-    show_prune(run_prune(request, err), plot, json_out, dry_run, verify)
+    if target is not None and plot is not None:
+        raise OptionError("--plot draws the scores of a --drop search; with --target it is not drawn yet")
+    show_prune((run_budget if target is not None else run_prune)(request, err), plot, json_out, dry_run, verify)
 
 
 def show_prune(result: dict, plot: Optional[Path], json_out: bool, dry_run: bool, verify: bool) -> None:
@@ -418,8 +428,13 @@ def show_prune(result: dict, plot: Optional[Path], json_out: bool, dry_run: bool
     if json_out:
         typer.echo(json.dumps({key: value for key, value in result.items() if key != "scores"}))
         return
+    if result.get("budget"):
+        from prunetool.output.report import budget_table
+
+        out.print(budget_table(result["budget"], plan))
     if dry_run:
-        out.print(plan_table(plan))
+        if not result.get("budget"):
+            out.print(plan_table(plan))
         out.print("dry run: nothing written", highlight=False)
         return
     if result["perplexity"]:
@@ -430,8 +445,11 @@ def show_prune(result: dict, plot: Optional[Path], json_out: bool, dry_run: bool
         what = ("layer count, perplexity read layer by layer" if checks.get("low_memory")
                 else "reload, layer count, cached = uncached decoding, perplexity")
         checked = f"verified in {checks['dtype']} on {checks['device']} ({what} within {checks['perplexity_rtol']:g})"
-    what = "layers" if plan.get("unit", "block") == "block" else f"the {plan['unit']} sublayers of layers"
-    out.print(f"wrote {result['output']}: removed {what} {plan['removed']} (0-based original indices); {checked}",
+    unit = plan.get("unit", "block")
+    what = ("layers " + str(plan["removed"]) if unit == "block" else
+            f"the {unit} sublayers of layers {plan['removed']}" if unit in ("attention", "mlp") else
+            plan["cut"]["describe"])
+    out.print(f"wrote {result['output']}: removed {what} (0-based original indices); {checked}",
               highlight=False, soft_wrap=True)
 
 

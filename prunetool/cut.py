@@ -196,7 +196,8 @@ class Cut:
 
     def to_json(self) -> dict:
         return {"num_layers": self.num_layers, "layers": self.states, "blocks": list(self.blocks),
-                "attention": list(self.attention_only), "mlp": list(self.mlp_only), "kind": self.kind}
+                "attention": list(self.attention_only), "mlp": list(self.mlp_only), "kind": self.kind,
+                "describe": self.describe()}
 
     @classmethod
     def from_json(cls, data: dict) -> Cut:

@@ -87,7 +87,9 @@ class PruneRequest:
     patch: bool = False
     patch_objective: str | None = None  # None: prunetool.repair.fit.DEFAULT_OBJECTIVE
     patch_windows: int | None = None  # None: patch_windows_for(seq_len)
-    unit: str = "block"  # what --drop and --remove-layers count: layers, or attention or MLP sublayers
+    unit: str | None = None  # what --drop and --remove-layers count (default block); with --target, the only kind
+    target: str | None = None  # --target params=0.85,kv=0.75,...: a budget instead of a count
+    pareto: Path | None = None  # --pareto FILE: the quality-cost frontier of the budget search, as JSON
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,10 @@ def starting_point(request: PruneRequest) -> StartingPoint:
 
 def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | None:
     """Fail on any bad option before loading anything; returns the --layers indices when given."""
+    if request.target is not None:
+        raise AssertionError("--target requests are checked by check_target_options")
     if (request.drop is None) == (request.layers is None):
-        raise OptionError("give exactly one of --drop N or --remove-layers 3,7,12")
+        raise OptionError("give exactly one of --drop N, --remove-layers 3,7,12 or --target params=0.85,...")
     if request.unit not in SUBLAYER_UNITS:
         raise OptionError(f"--unit must be one of {', '.join(SUBLAYER_UNITS)}, got {request.unit!r}")
     if request.layers is not None:
@@ -262,7 +266,7 @@ def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> d
     after = (f"that follow the {held['after_windows']} selection windows, from token {held['first_token']}"
              if held["after_windows"] else f"from token {held['first_token']} (no selection windows: --layers)")
     before = cut_perplexity(model, calibration.held_out)
-    pruned = cut_perplexity(model, calibration.held_out, removed=plan.removed, unit=plan.unit)
+    pruned = cut_perplexity(model, calibration.held_out, removed=plan.cut)
     return {"before": before, "after": pruned, "held_out": held,
             "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
 
@@ -329,7 +333,7 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
 
 
 def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: VerifySetting | None,
-               patch: dict | None = None) -> dict[str, str]:
+               patch: dict | None = None, command: str | None = None) -> dict[str, str]:
     """prune.json, the model card and the same cut for mergekit and llama.cpp."""
     verification = None
     if setting is not None:
@@ -342,11 +346,12 @@ def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: V
     record = prune_record(plan, source_path=str(source.path), perplexity=perplexity_info, verification=verification,
                           patch=patch)
     config = text_section(source.config)
-    command = f"prunetool prune {plan.base_model} --remove-layers {','.join(map(str, plan.removed))}"
-    if plan.unit != "block":
-        command += f" --unit {plan.unit}"
-    if patch is not None:
-        command += f" --patch --patch-objective {patch['objective']}"
+    if command is None:
+        command = f"prunetool prune {plan.base_model} --remove-layers {','.join(map(str, plan.removed))}"
+        if plan.unit != "block":
+            command += f" --unit {plan.unit}"
+        if patch is not None:
+            command += f" --patch --patch-objective {patch['objective']}"
     files = {
         "prune.json": json.dumps(record, indent=1) + "\n",
         "README.md": model_card(plan, base_model=base_model_name(source), perplexity=perplexity_info, command=command,
@@ -409,6 +414,10 @@ def load_for_prune(request: PruneRequest, start, source, low_memory: bool, selec
 
 def run_prune(request: PruneRequest, console: Console) -> dict:
     """Choose, measure, write, verify; returns what the CLI prints."""
+    if request.target is not None:
+        raise AssertionError("--target runs commands.budget.run_budget")
+    if request.unit is None:
+        request = dataclasses.replace(request, unit="block")
     start = starting_point(request)
     source = resolve_model(start.spec, trust_remote_code=request.trust_remote_code)
     spec = start.spec or source.spec
