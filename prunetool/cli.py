@@ -3,6 +3,7 @@
 Heavy libraries (torch, transformers) are imported inside command bodies so `--help` stays instant.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -313,6 +314,9 @@ TargetOpt = Annotated[Optional[str], typer.Option("--target", help="A budget ins
                       "or params=110M, kv=0.75 or kv=16KiB (per token), memory=2GiB@ctx=4096,batch=8, decode=1.2x, "
                       "prefill=1.3x (speed on this device). Finds the mixed cut of blocks, attention and MLP "
                       "sublayers with the least calibration damage that meets all of them.")]
+ParetoOpt = Annotated[Optional[Path], typer.Option("--pareto", help="With --target: write the quality-cost frontier "
+                      "(about 8 cuts each of mixed, block-only and attention-only along the first target) to this "
+                      "JSON; --plot FILE.png draws it.")]
 RemoveLayersOpt = Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
                             "original indices, e.g. 3,7,12.")]
 CriterionOpt = Annotated[str, typer.Option("--criterion", help="halving (default), guided, qsim, tappa, bi, angular, "
@@ -354,6 +358,7 @@ def prune(
     model: PruneModelArg = None,
     drop: DropOpt = None,
     target: TargetOpt = None,
+    pareto: ParetoOpt = None,
     unit: UnitOpt = None,
     remove_layers: RemoveLayersOpt = None,
     old_layers: OldLayersOpt = None,
@@ -408,9 +413,13 @@ def prune(
         screen_dtype=screen_dtype, patch=patch, patch_objective=patch_objective, patch_windows=patch_windows,
         unit=unit, target=target,
     )
-    if target is not None and plot is not None:
-        raise OptionError("--plot draws the scores of a --drop search; with --target it is not drawn yet")
-    show_prune((run_budget if target is not None else run_prune)(request, err), plot, json_out, dry_run, verify)
+    if pareto is not None and target is None:
+        raise OptionError("--pareto draws the frontier of a --target search; add --target")
+    if target is not None:  # the frontier is the plot of a budget search
+        show_prune(run_budget(dataclasses.replace(request, plot=plot, pareto=pareto), err), None, json_out, dry_run,
+                   verify)
+        return
+    show_prune(run_prune(request, err), plot, json_out, dry_run, verify)
 
 
 def show_prune(result: dict, plot: Optional[Path], json_out: bool, dry_run: bool, verify: bool) -> None:

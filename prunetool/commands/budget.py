@@ -88,6 +88,20 @@ def speed_meter(model, targets: list[Target], source, console: Console):
     return timings, measure, {name: w.describe() for name, w in workloads.items()}
 
 
+def write_frontier(pareto: dict, request: PruneRequest, console: Console) -> None:
+    """--pareto FILE.json and --plot FILE.png: the frontier the search's measurements give."""
+    from prunetool.checkpoint_io import write_json_atomic
+
+    if request.pareto is not None:
+        write_json_atomic(Path(request.pareto), pareto)
+        console.print(f"frontier written to {request.pareto}", highlight=False)
+    if request.plot is not None:
+        from prunetool.output.plots import plot_pareto
+
+        plot_pareto(pareto, request.plot)
+        console.print(f"plot written to {request.plot}", highlight=False)
+
+
 def run_budget(request: PruneRequest, console: Console) -> dict:
     """Check, load, measure, search, then write and verify as prune does; returns what the CLI prints."""
     from prunetool.select.budget_search import search_budget
@@ -114,6 +128,17 @@ def run_budget(request: PruneRequest, console: Console) -> dict:
         task = progress.add_task("measuring every removal", total=None)
         result = search_budget(engine, meter, targets, candidates, measure_speed=measure,
                                on_step=lambda done, total: progress.update(task, completed=done, total=total))
+    pareto = None
+    if request.pareto is not None or request.plot is not None:
+        from prunetool.select.budget_search import frontier
+
+        first = targets[0]
+        points = frontier(engine, result, meter, first, candidates)
+        report = meter.report(first, result.cut)
+        pareto = {"model": spec, "target": first.to_json(), "points": points,
+                  "chosen": {"x": report.get("ratio", report.get("speedup")), "perplexity": result.perplexity,
+                             "describe": result.cut.describe()},
+                  "quality": "calibration perplexity on the selection windows"}
     del engine
     budget = {"targets": result.reports, "workloads": workloads, "resolves": result.resolves,
               "local_search_evaluations": result.evaluations,
@@ -127,6 +152,8 @@ def run_budget(request: PruneRequest, console: Console) -> dict:
                      calibration=selection.describe(), search_calibration=selection.describe(), cut=result.cut,
                      targets=budget)
     answer = {"plan": plan.to_json(), "dry_run": request.dry_run, "budget": budget, "scores": None}
+    if pareto is not None:
+        write_frontier(pareto, request, console)
     if request.dry_run:
         return answer | {"peak_rss_bytes": peak_rss_bytes()}
     perplexity_info = measure_perplexity(model, calibration, plan) if verifying else None

@@ -38,6 +38,7 @@ class BudgetResult:
     resolves: int  # how often a measured miss tightened a target and the search ran again
     evaluations: int  # whole cuts measured by the local search
     seconds: dict = field(default_factory=dict)  # per stage
+    damage: dict = field(default_factory=dict)  # (layer, state) -> measured single-removal damage
 
 
 def damage_table(engine, base_log: float, candidates: Candidates,
@@ -160,7 +161,7 @@ def search_budget(engine, meter: Meter, targets: list[Target], candidates: Candi
                 report["speedup"] = measured[target.name]
                 report["met"] = measured[target.name] >= target.value
         reports.append(report)
-    return BudgetResult(cut, ppl, base_ppl, solved, solved_ppl, reports, resolves, evaluations, seconds)
+    return BudgetResult(cut, ppl, base_ppl, solved, solved_ppl, reports, resolves, evaluations, seconds, table)
 
 
 def unreachable(meter: Meter, targets: list[Target], candidates: Candidates, tighten: dict[str, float]) -> str:
@@ -171,3 +172,44 @@ def unreachable(meter: Meter, targets: list[Target], candidates: Candidates, tig
                     "--protect-first/--protect-last) or ask for less")
     return ("no single cut meets every --target together (each is reachable alone); ask for less of one of "
             + ", ".join(t.text for t in targets))
+
+
+FRONTIER_POINTS = 8
+FRONTIER_KINDS = {"mixed": ("block", "attention", "mlp"), "block-only": ("block",), "attention-only": ("attention",)}
+
+
+def sweep_values(target: Target) -> list[float]:
+    """FRONTIER_POINTS relative limits around the asked one: from a quarter of its saving to twice it."""
+    saving = (1 - 1 / target.value) if target.is_speed else None
+    if target.is_speed:
+        return [1 / (1 - saving * f) for f in _fractions()]
+    if not target.relative:
+        raise OptionError(f"--pareto sweeps a relative target; give --target {target.name} as a fraction such as 0.85")
+    return [max(0.0, 1 - (1 - target.value) * f) for f in _fractions()]
+
+
+def _fractions() -> list[float]:
+    return [0.25 + 1.75 * i / (FRONTIER_POINTS - 1) for i in range(FRONTIER_POINTS)]
+
+
+def frontier(engine, result: BudgetResult, meter: Meter, target: Target, allowed: Candidates) -> list[dict]:
+    """Calibration perplexity against the first target's value, for the mixed, block-only and attention-only
+    solves at FRONTIER_POINTS limits (exact solves from the measured damage; each point's cut measured whole)."""
+    n = len(allowed.allowed)
+    points = []
+    for kind, units in FRONTIER_KINDS.items():
+        states = tuple(tuple(s for s in layer if s == KEPT or s in units) for layer in allowed.allowed)
+        candidates = Candidates(states)
+        if not any(len(layer) > 1 for layer in states):
+            continue
+        for value in sweep_values(target):
+            swept = Target(target.name, value, True, f"{target.name}={value:.4g}", target.context, target.batch)
+            cut = solve(meter, [swept], lambda layer, state: result.damage.get((layer, state), math.inf), candidates)
+            if cut is None:
+                continue
+            engine.set_cut(Cut(n))
+            report = meter.report(swept, cut)
+            points.append({"kind": kind, "limit": value, "cut": cut.to_json(), "perplexity": engine.perplexity_of(cut),
+                           "value": report["cut"], "ratio": report.get("ratio"),
+                           "speedup": report.get("speedup")})
+    return points
