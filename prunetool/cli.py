@@ -326,7 +326,8 @@ BetaOpt = Annotated[Optional[float], typer.Option("--beta", help="tappa and guid
 ShortlistOpt = Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round; halving: "
                          "screened layers confirmed on all windows per round.")]
 RefineOpt = Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity "
-                      "measurement; halving: windows a screening uses.")]
+                      "measurement; halving: windows a screening uses; --target: windows every candidate removal "
+                      "and every neighbour of the local search is measured on.")]
 BlocksOpt = Annotated[int, typer.Option("--blocks", help="guided and halving: contiguous blocks measured beside the "
                       "greedy path.")]
 ScreenTokensOpt = Annotated[int, typer.Option("--screen-tokens", help="halving: tokens of each measuring window a "

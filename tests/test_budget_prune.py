@@ -122,3 +122,30 @@ def test_pareto_writes_the_frontier_of_each_kind(tiny_checkpoint, calib, tmp_pat
     # at every limit both exist for, the mixed solve's additive damage is no worse than the others'; its measured
     # perplexity is what the search optimises, so it is shown, not asserted against them
     assert data["chosen"]["describe"]
+
+
+def test_eval_and_heal_take_a_mixed_folder(tiny_checkpoint, calib, tmp_path):
+    """A mixed cut (blocks gone, other sublayers no-ops): eval measures it beside its base, heal trains it and
+    writes the same tensors back in the same format."""
+    from safetensors import safe_open
+
+    source, pruned, healed = tiny_checkpoint("llama"), tmp_path / "pruned", tmp_path / "healed"
+    result = budget(source, calib, "params=0.75,kv=0.7", "--output-dir", str(pruned), "--json")
+    assert result.exit_code == 0, result.output
+    cut = Cut.from_json(json.loads(result.stdout)["plan"]["cut"])
+    assert cut.kind == "mixed" and cut.blocks, cut.describe()  # what this model and target give (seeded)
+    result = runner.invoke(app, ["eval", "--tasks", "heldout_ppl", "--json"])  # the current run: pruned and base
+    assert result.exit_code == 0, result.output
+    models = json.loads(result.stdout)["models"]
+    base, mine = models["base"]["efficiency"], models["pruned"]["efficiency"]
+    assert mine["kv_cache_bytes_per_token"] == base["kv_cache_bytes_per_token"] * (6 - len(cut.attention)) // 6
+    result = runner.invoke(app, ["heal", str(pruned), "--train", "all", "--tokens", "512", "--seq-len", "16",
+                                 "--batch-size", "2", "--output-dir", str(healed), "--json"])
+    assert result.exit_code == 0, result.output
+
+    def names(folder):
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            return set(f.keys())
+
+    assert names(healed) == names(pruned)
+    assert json.loads((healed / "config.json").read_text()) == json.loads((pruned / "config.json").read_text())

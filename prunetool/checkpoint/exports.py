@@ -184,7 +184,7 @@ def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, com
          if plan.unit != "mixed" else f"# {base_model}, {plan.cut.describe()} removed"),
         "",
         f"Made with prunetool {__version__} by removing {UNIT_WORDS[plan.unit]}"
-        f"{'' if plan.unit == 'block' else ' (a nemotron-nas / DeciLM checkpoint: load with trust_remote_code=True)'}. "
+        f"{'' if plan.cut.blocks_only else ' (a nemotron-nas / DeciLM checkpoint: load with trust_remote_code=True)'}. "
         f"{source_sentence(plan.base_model, patched=patch is not None)}",
         "",
         *_patch_rows(patch),
@@ -201,9 +201,9 @@ def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, com
         command,
         "```",
         "",
-        *serving_lines(plan.unit != "block"),
+        *serving_lines(not plan.cut.blocks_only),
     ]
-    if plan.unit == "block":
+    if plan.cut.blocks_only:
         lines += ["", "The same cut with other tools: `mergekit.yaml` (mergekit passthrough) and",
                   "`llama.cpp-prune-layers.txt` (`llama-quantize --prune-layers $(cat llama.cpp-prune-layers.txt) ...`)."]
     return "\n".join(lines) + "\n"

@@ -123,7 +123,8 @@ def run_budget(request: PruneRequest, console: Console) -> dict:
     timings, measure, workloads = speed_meter(model, targets, source, console)
     meter.timings.update(timings)
     selection = calibration.first(min(start.calibration["samples"], calibration.windows))
-    engine = CutEngine(model, selection.input_ids, batch_size=request.batch_size)
+    measured = selection.first(min(request.refine_windows, selection.windows))  # what every removal is judged on
+    engine = CutEngine(model, measured.input_ids, batch_size=request.batch_size)
     with window_progress(console) as progress:
         task = progress.add_task("measuring every removal", total=None)
         result = search_budget(engine, meter, targets, candidates, measure_speed=measure,
@@ -149,7 +150,7 @@ def run_budget(request: PruneRequest, console: Console) -> dict:
               | {"total": round(time.perf_counter() - clock, 2)}}
     plan = PrunePlan(spec, num_layers, (), "budget", {"protect_first": request.protect_first,
                                                       "protect_last": request.protect_last},
-                     calibration=selection.describe(), search_calibration=selection.describe(), cut=result.cut,
+                     calibration=selection.describe(), search_calibration=measured.describe(), cut=result.cut,
                      targets=budget)
     answer = {"plan": plan.to_json(), "dry_run": request.dry_run, "budget": budget, "scores": None}
     if pareto is not None:

@@ -37,6 +37,7 @@ from prunetool.checkpoint.exports import llamacpp_prune_layers, mergekit_yaml, m
 from prunetool.model.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
 from prunetool.memory import peak_rss_bytes, use_low_memory
 from prunetool.model.runner import as_runner, cut_perplexity
+from prunetool.cut import Cut
 from prunetool.select.plan import PrunePlan
 from prunetool.progress import window_progress
 from prunetool.select.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS
@@ -47,7 +48,7 @@ from prunetool.select.selection import (CRITERIA, SUBLAYER_UNITS, make_plan, man
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.demo import find_alias
 from prunetool.sources.tokenizer import FileTokenizer
-from prunetool.checkpoint.surgery import patched_tensor_names, write_pruned_checkpoint, write_sublayer_checkpoint
+from prunetool.checkpoint.surgery import patched_tensor_names, write_cut_checkpoint, write_pruned_checkpoint
 from prunetool.checkpoint.surgery.output import check_output
 from prunetool.checkpoint.verify import VerifySetting, verify_checkpoint, verify_streamed
 
@@ -147,9 +148,7 @@ def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | N
         removed = parse_layers(request.layers, num_layers, allow_all=request.unit != "block")
         if request.unit == "attention" and len(removed) >= num_layers:
             raise OptionError(f"--remove-layers names all {num_layers} attention sublayers; at least one must stay")
-        if request.unit == "attention":
-            from prunetool.checkpoint.nemotron_nas.convert import check_engine_rules
-            check_engine_rules(num_layers, removed, ())
+        Cut.of(request.unit, removed, num_layers).check_engines()
         return removed
     validate_selection(request.criterion, request.drop, num_layers, beta=request.beta,
                        protect_first=protected_first(request), protect_last=request.protect_last,
@@ -357,7 +356,7 @@ def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: V
         "README.md": model_card(plan, base_model=base_model_name(source), perplexity=perplexity_info, command=command,
                                 patch=patch),
     }
-    if plan.unit == "block":  # mergekit and llama.cpp's layer lists remove whole layers only
+    if plan.cut.blocks_only:  # mergekit and llama.cpp's layer lists remove whole layers only
         files["mergekit.yaml"] = mergekit_yaml(plan, str(source.path), config.get("dtype") or config.get("torch_dtype"))
         files["llama.cpp-prune-layers.txt"] = llamacpp_prune_layers(plan)
     return files
@@ -455,7 +454,7 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         patch_set = calibration.first(patch_windows)
         replacements, patch = patch_model(model, plan, patch_set, source, request, console)
         if perplexity_info is not None:
-            patched = cut_perplexity(model, calibration.held_out, removed=plan.removed)
+            patched = cut_perplexity(model, calibration.held_out, removed=plan.cut)
             perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
             warning = patch_warning(perplexity_info["plain_cut"], patched)
             if warning:
@@ -464,21 +463,21 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
 
     def check(folder: Path) -> None:
         verify = verify_streamed if low_memory else functools.partial(verify_checkpoint,
-                                                                     shipped_code=plan.unit != "block")
+                                                                     shipped_code=not plan.cut.blocks_only)
         verification.update(verify(folder, expected_layers=len(plan.kept), held_out=calibration.held_out,
                                    expected_perplexity=perplexity_info["after"], setting=setting))
 
     with window_progress(console) as progress:
         task = progress.add_task("writing shards", total=None)
         extra = side_files(plan, source, perplexity_info, setting, patch)
-        if plan.unit == "block":
+        if plan.cut.blocks_only:  # the source's own format (and the only cut a patch applies to)
             write_pruned_checkpoint(source.path, plan, output, force=request.force, extra_files=extra,
                                     on_shard=lambda name: progress.advance(task),
                                     before_publish=check if verifying else None, replacements=replacements)
         else:
-            write_sublayer_checkpoint(source.path, plan, output, force=request.force, extra_files=extra,
-                                      on_shard=lambda name: progress.advance(task),
-                                      before_publish=check if verifying else None)
+            write_cut_checkpoint(source.path, plan.cut, output, force=request.force, extra_files=extra,
+                                 on_shard=lambda name: progress.advance(task),
+                                 before_publish=check if verifying else None)
     pruned = {"path": str(output.resolve()), "removed": list(plan.removed), "criterion": plan.criterion,
               "held_out": perplexity_info["held_out"] if perplexity_info else None}
     record_current_run(spec, source.path, scores.to_json() if scores is not None else None, start.calibration, pruned)

@@ -132,8 +132,8 @@ def write_sublayer_checkpoint(source_dir: Path, plan: PrunePlan, output: Path, *
     if plan.num_layers != num_layers:
         raise OptionError(f"the plan is for a {plan.num_layers}-layer model but {source_dir} has {num_layers} "
                           "decoder layers; make the plan from this model")
-    return write_nemotron_checkpoint(source_dir, output, removed_attention=plan.removed if plan.unit == "attention"
-                                     else (), removed_mlp=plan.removed if plan.unit == "mlp" else (), **options)
+    return write_nemotron_checkpoint(source_dir, output, removed_attention=plan.cut.attention,
+                                     removed_mlp=plan.cut.mlp, **options)
 
 
 def write_nemotron_checkpoint(source_dir: Path, output: Path, *, removed_attention=(), removed_mlp=(),
