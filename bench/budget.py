@@ -89,8 +89,8 @@ def run_model(name: str, results: dict, args) -> None:
         row = rows.setdefault(key, {"model": name} | extra)
         if "wikitext2" not in row:
             row["cut"] = cut.to_json()
-            row["wikitext2"] = cut_perplexity(model, wikitext.input_ids, removed=cut)
-            row["c4_held_out"] = cut_perplexity(model, calibration.held_out, removed=cut)
+            row["wikitext2"] = cut_perplexity(model, wikitext.input_ids, cut)
+            row["c4_held_out"] = cut_perplexity(model, calibration.held_out, cut)
             costs = meter.costs
             row["params"] = costs.params(cut) / costs.total_params
             row["kv"] = costs.kv(cut) / costs.kv(Cut(n))

@@ -152,6 +152,6 @@ def test_engine_measures_mixed_cuts_as_a_full_forward_does(arch, dtype, tiny_che
     for current in (Cut(6), Cut(6, attention=(3,), mlp=(3,)), Cut(6, mlp=(1,))):
         engine.set_cut(current)
         for cut in cuts:
-            expected = cut_perplexity(model, windows, removed=cut, batch_size=2)
+            expected = cut_perplexity(model, windows, cut, batch_size=2)
             assert engine.perplexity_of(cut) == pytest.approx(expected, rel=1e-5), (current, cut)
     assert engine.perplexity_of(Cut(6)) == pytest.approx(cut_perplexity(model, windows, batch_size=2), rel=1e-5)

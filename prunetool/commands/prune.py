@@ -265,7 +265,7 @@ def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> d
     after = (f"that follow the {held['after_windows']} selection windows, from token {held['first_token']}"
              if held["after_windows"] else f"from token {held['first_token']} (no selection windows: --layers)")
     before = cut_perplexity(model, calibration.held_out)
-    pruned = cut_perplexity(model, calibration.held_out, removed=plan.cut)
+    pruned = cut_perplexity(model, calibration.held_out, plan.cut)
     return {"before": before, "after": pruned, "held_out": held,
             "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
 
@@ -454,7 +454,7 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         patch_set = calibration.first(patch_windows)
         replacements, patch = patch_model(model, plan, patch_set, source, request, console)
         if perplexity_info is not None:
-            patched = cut_perplexity(model, calibration.held_out, removed=plan.cut)
+            patched = cut_perplexity(model, calibration.held_out, plan.cut)
             perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
             warning = patch_warning(perplexity_info["plain_cut"], patched)
             if warning:
