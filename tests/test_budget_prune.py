@@ -61,10 +61,13 @@ def test_the_written_folder_meets_its_targets(arch, target, tiny_checkpoint, cal
     assert record["cut"]["layers"] == cut.states and record["targets"]["targets"] == answer["budget"]["targets"]
     assert all(report["met"] for report in answer["budget"]["targets"])
     before, after = parameters_on_disk(source), parameters_on_disk(out)
-    if "params" in target:
+    reports = {report["target"].split("=")[0]: report for report in answer["budget"]["targets"]}
+    if "params" in reports:  # predicted exactly, and met by what the folder holds
+        assert reports["params"]["cut"] == after and reports["params"]["base"] == before
         assert after <= float(target.split("params=")[1].split(",")[0]) * before
-    if "kv" in target:
+    if "kv" in reports:  # float32 tiny models: 4 bytes per value
         base_kv, cut_kv = kv_values_per_token(source), kv_values_per_token(out)
+        assert reports["kv"]["cut"] == 4 * cut_kv and reports["kv"]["base"] == 4 * base_kv
         assert cut_kv <= 0.6 * base_kv
     assert answer["verification"] is not None
     ppl = answer["budget"]["calibration_perplexity"]
@@ -100,9 +103,12 @@ def test_bad_budget_requests_fail_in_one_line(extra, words, tiny_checkpoint, cal
     assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
 
 
-def test_an_unreachable_target_says_so(tiny_checkpoint, calib):
-    result = budget(tiny_checkpoint("llama"), calib, "params=0.5", "--unit", "attention")
-    assert result.exit_code != 0 and "no cut the candidates allow meets --target params=0.5" in result.output
+def test_an_unreachable_target_says_the_best_reachable_value(tiny_checkpoint, calib, tmp_path):
+    out = tmp_path / "out"
+    result = budget(tiny_checkpoint("llama"), calib, "params=0.5", "--unit", "attention", "--output-dir", str(out))
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "no cut the candidates allow meets --target params=0.5: the best reachable is params=0." in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_pareto_writes_the_frontier_of_each_kind(tiny_checkpoint, calib, tmp_path):

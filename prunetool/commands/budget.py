@@ -26,7 +26,8 @@ from prunetool.errors import OptionError, UnsupportedModelError
 from prunetool.memory import peak_rss_bytes
 from prunetool.output.runs import record_current_run
 from prunetool.progress import window_progress
-from prunetool.select.budget import Candidates, Meter, Target, parse_targets
+from prunetool.select.budget import Candidates, Meter, Target, parse_targets, solve
+from prunetool.select.budget_search import unreachable
 from prunetool.select.costs import checkpoint_costs
 from prunetool.select.plan import PrunePlan
 from prunetool.sources import model_key, resolve_model
@@ -117,6 +118,9 @@ def run_budget(request: PruneRequest, console: Console) -> dict:
         check_output(source.path, Path(request.output), request.force)
     contexts = [t.context for t in targets if t.name in ("kv", "memory") and t.context]
     meter = Meter(checkpoint_costs(source.path, context=max(contexts) if contexts else None))
+    sizes = [t for t in targets if not t.is_speed]  # exact costs: a size no cut reaches is refused before loading
+    if sizes and solve(meter, sizes, lambda layer, state: 1.0, candidates) is None:
+        raise OptionError(unreachable(meter, sizes, candidates, {}))
     model, calibration, setting = load_for_prune(dataclasses.replace(request, unit="block", verify=True), start,
                                                  source, False, True, console)
     verifying = request.verify and not request.dry_run

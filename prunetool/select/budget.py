@@ -206,7 +206,7 @@ class Candidates:
         return any(state in (ATTENTION, MLP) for states in self.allowed for state in states)
 
 
-def _saving(meter: Meter, target: Target, layer: int, state: str) -> float:
+def saving(meter: Meter, target: Target, layer: int, state: str) -> float:
     """How much removing `state` at `layer` alone lowers the target's measure (additive by construction)."""
     n = meter.costs.num_layers
     return meter.value(target, Cut(n)) - meter.value(target, Cut.from_states(
@@ -262,7 +262,7 @@ def solve(meter: Meter, targets: Sequence[Target], damage: Callable[[int, str], 
         row = np.zeros(size)
         for (layer, state), position in index.items():
             if state != KEPT:
-                row[position] = _saving(meter, target, layer, state)
+                row[position] = saving(meter, target, layer, state)
         add(row, base - limit, np.inf)
     result = milp(cost, constraints=LinearConstraint(np.array(rows), lower_bounds, upper_bounds),
                   integrality=np.ones(size), bounds=Bounds(0, upper))

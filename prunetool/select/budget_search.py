@@ -164,12 +164,27 @@ def search_budget(engine, meter: Meter, targets: list[Target], candidates: Candi
     return BudgetResult(cut, ppl, base_ppl, solved, solved_ppl, reports, resolves, evaluations, seconds, table)
 
 
+def best_reachable(meter: Meter, target: Target, candidates: Candidates) -> Cut | None:
+    """The cut the candidates allow that goes furthest for `target` alone (its exact additive optimum)."""
+    from prunetool.select.budget import saving
+
+    return solve(meter, [], lambda layer, state: -saving(meter, target, layer, state), candidates)
+
+
 def unreachable(meter: Meter, targets: list[Target], candidates: Candidates, tighten: dict[str, float]) -> str:
-    """One line: which target no allowed cut reaches, and the most that can be had for it alone."""
+    """One line: which target no allowed cut reaches, and the best value the candidates can reach for it."""
     for target in targets:
         if solve(meter, [target], lambda layer, state: 1.0, candidates, tighten) is None:
-            return (f"no cut the candidates allow meets --target {target.text}; allow more (drop --unit, lower "
-                    "--protect-first/--protect-last) or ask for less")
+            best = best_reachable(meter, target, candidates)
+            if best is None:
+                reach = "nothing can be removed"
+            else:
+                report = meter.report(target, best)
+                reach = (f"the best reachable is {target.name}={report['ratio']:.3f} ({report['cut']:,.0f})"
+                         if "ratio" in report else f"the best reachable is {target.name}={report['speedup']:.2f}x "
+                         "(predicted)")
+            return (f"no cut the candidates allow meets --target {target.text}: {reach}; allow more (drop --unit, "
+                    "lower --protect-first/--protect-last) or ask for less")
     return ("no single cut meets every --target together (each is reachable alone); ask for less of one of "
             + ", ".join(t.text for t in targets))
 
