@@ -32,6 +32,8 @@ from pathlib import Path
 
 from provenance import provenance
 
+from prunetool.cut import Cut
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "bench" / "results" / "sublayer.json"
@@ -72,17 +74,19 @@ def efficiency(model, removed: list[int], unit: str) -> dict:
     from prunetool.evaluation.efficiency import measure_efficiency
     from prunetool.model.runner import removed_units
 
-    with removed_units(model, removed, unit):
+    with removed_units(model, Cut.of(unit, removed, len(model.model.layers))):
         return measure_efficiency(model, repeats=EFFICIENCY_REPEATS)
 
 
-def accuracy(model, tokenizer, removed: list[int], unit: str, limit: int) -> dict:
+def accuracy(model, tokenizer, removed, unit: str, limit: int) -> dict:
+    """lm-eval mean accuracy with `removed` (layer indices of `unit`, or a Cut) gone in memory."""
     from prunetool.evaluation.runner import TaskManagers, evaluate_tasks, make_lm
     from prunetool.evaluation.tasks import data_dir_from, plan_tasks
     from prunetool.model.runner import removed_units
 
     data_dir = data_dir_from(DATA)
-    with removed_units(model, removed, unit):
+    cut = removed if isinstance(removed, Cut) else Cut.of(unit, removed, len(model.model.layers))
+    with removed_units(model, cut):
         lm = make_lm(model, tokenizer, "auto", None)
         results, _ = evaluate_tasks(lm, plan_tasks(list(TASKS), data_dir), TaskManagers(data_dir), limit=limit,
                                     num_fewshot=None)
@@ -94,6 +98,7 @@ def run(args) -> None:
     import torch
 
     from prunetool.model.loading import load_model
+    from prunetool.cut import Cut
     from prunetool.model.runner import cut_perplexity
     from prunetool.select.calibration import load_calibration
     from prunetool.select.scoring import score_model
@@ -118,12 +123,13 @@ def run(args) -> None:
         if "perplexity" not in row:
             removed, seconds = ([], 0.0) if drop == 0 else select(criterion, unit, drop, scores, model, calibration)
             row |= {"removed": removed, "select_seconds": round(seconds, 1),
-                    "perplexity": cut_perplexity(model, evals.input_ids, removed=removed, unit=unit)}
+                    "perplexity": cut_perplexity(model, evals.input_ids, Cut.of(unit, removed, scores.num_layers))}
             row.pop("efficiency", None)
             print(f"{key}: {removed} ppl {row['perplexity']:.3f} in {seconds:.0f}s", file=sys.stderr, flush=True)
             save_results(results)
         if "c4_perplexity" not in row:
-            row["c4_perplexity"] = cut_perplexity(model, calibration.held_out, removed=row["removed"], unit=unit)
+            row["c4_perplexity"] = cut_perplexity(model, calibration.held_out,
+                                                  Cut.of(unit, row["removed"], scores.num_layers))
             save_results(results)
         wanted = (args.accuracy_rows == "all" or (args.accuracy_rows == "default" and criterion == "halving")
                   or drop == 0 or key in args.accuracy_rows.split(","))

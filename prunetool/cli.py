@@ -3,6 +3,7 @@
 Heavy libraries (torch, transformers) are imported inside command bodies so `--help` stays instant.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -305,9 +306,17 @@ def show_scores(scores, drop: Optional[int], output: Optional[Path], plot: Optio
 # prune's own options
 DropOpt = Annotated[Optional[int], typer.Option("--drop", help="Remove this many layers (or sublayers of --unit), "
                     "chosen by --criterion.")]
-UnitOpt = Annotated[str, typer.Option("--unit", help="What goes: block (whole decoder layers), attention (only the "
-                    "self-attention sublayers, and with them their KV cache) or mlp; sublayer cuts are written as a "
-                    "nemotron-nas (DeciLM) checkpoint (docs/pruning.md).")]
+UnitOpt = Annotated[Optional[str], typer.Option("--unit", help="What goes: block (whole decoder layers; the default "
+                    "for --drop and --remove-layers), attention (only the self-attention sublayers, and with them "
+                    "their KV cache) or mlp; sublayer cuts are written as a nemotron-nas (DeciLM) checkpoint "
+                    "(docs/pruning.md). With --target: the only kind the search may remove (default: all three).")]
+TargetOpt = Annotated[Optional[str], typer.Option("--target", help="A budget instead of a count: any of params=0.85 "
+                      "or params=110M, kv=0.75 or kv=16KiB (per token), memory=2GiB@ctx=4096,batch=8, decode=1.2x, "
+                      "prefill=1.3x (speed on this device). Finds the mixed cut of blocks, attention and MLP "
+                      "sublayers with the least calibration damage that meets all of them.")]
+ParetoOpt = Annotated[Optional[Path], typer.Option("--pareto", help="With --target: write the quality-cost frontier "
+                      "(about 8 cuts each of mixed, block-only and attention-only along the first target) to this "
+                      "JSON; --plot FILE.png draws it.")]
 RemoveLayersOpt = Annotated[Optional[str], typer.Option("--remove-layers", help="Remove exactly these layers: 0-based "
                             "original indices, e.g. 3,7,12.")]
 CriterionOpt = Annotated[str, typer.Option("--criterion", help="halving (default), guided, qsim, tappa, bi, angular, "
@@ -317,7 +326,8 @@ BetaOpt = Annotated[Optional[float], typer.Option("--beta", help="tappa and guid
 ShortlistOpt = Annotated[int, typer.Option("--shortlist", help="guided: layers measured per greedy round; halving: "
                          "screened layers confirmed on all windows per round.")]
 RefineOpt = Annotated[int, typer.Option("--refine-windows", help="guided: calibration windows per perplexity "
-                      "measurement; halving: windows a screening uses.")]
+                      "measurement; halving: windows a screening uses; --target: windows every candidate removal "
+                      "and every neighbour of the local search is measured on.")]
 BlocksOpt = Annotated[int, typer.Option("--blocks", help="guided and halving: contiguous blocks measured beside the "
                       "greedy path.")]
 ScreenTokensOpt = Annotated[int, typer.Option("--screen-tokens", help="halving: tokens of each measuring window a "
@@ -348,7 +358,9 @@ PatchWindowsOpt = Annotated[Optional[int], typer.Option("--patch-windows", help=
 def prune(
     model: PruneModelArg = None,
     drop: DropOpt = None,
-    unit: UnitOpt = "block",
+    target: TargetOpt = None,
+    pareto: ParetoOpt = None,
+    unit: UnitOpt = None,
     remove_layers: RemoveLayersOpt = None,
     old_layers: OldLayersOpt = None,
     criterion: CriterionOpt = "halving",
@@ -389,6 +401,8 @@ def prune(
     check_plot(plot)
     from prunetool.commands.prune import PruneRequest, run_prune
 
+    if target is not None:
+        from prunetool.commands.budget import run_budget
     request = PruneRequest(
         placement=placement_for(device_map, max_memory, offload_dir, low_memory), low_memory=low_memory,
         model=model, drop=drop, layers=one_of("--remove-layers", remove_layers, "--layers", old_layers),
@@ -398,8 +412,14 @@ def prune(
         verify=verify, dtype=dtype, device=device, batch_size=batch_size, trust_remote_code=trust_remote_code,
         shortlist=shortlist, refine_windows=refine_windows, blocks=blocks, screen_tokens=screen_tokens,
         screen_dtype=screen_dtype, patch=patch, patch_objective=patch_objective, patch_windows=patch_windows,
-        unit=unit,
+        unit=unit, target=target,
     )
+    if pareto is not None and target is None:
+        raise OptionError("--pareto draws the frontier of a --target search; add --target")
+    if target is not None:  # the frontier is the plot of a budget search
+        show_prune(run_budget(dataclasses.replace(request, plot=plot, pareto=pareto), err), None, json_out, dry_run,
+                   verify)
+        return
     show_prune(run_prune(request, err), plot, json_out, dry_run, verify)
 
 
@@ -418,8 +438,13 @@ def show_prune(result: dict, plot: Optional[Path], json_out: bool, dry_run: bool
     if json_out:
         typer.echo(json.dumps({key: value for key, value in result.items() if key != "scores"}))
         return
+    if result.get("budget"):
+        from prunetool.output.report import budget_table
+
+        out.print(budget_table(result["budget"], plan))
     if dry_run:
-        out.print(plan_table(plan))
+        if not result.get("budget"):
+            out.print(plan_table(plan))
         out.print("dry run: nothing written", highlight=False)
         return
     if result["perplexity"]:
@@ -430,8 +455,11 @@ def show_prune(result: dict, plot: Optional[Path], json_out: bool, dry_run: bool
         what = ("layer count, perplexity read layer by layer" if checks.get("low_memory")
                 else "reload, layer count, cached = uncached decoding, perplexity")
         checked = f"verified in {checks['dtype']} on {checks['device']} ({what} within {checks['perplexity_rtol']:g})"
-    what = "layers" if plan.get("unit", "block") == "block" else f"the {plan['unit']} sublayers of layers"
-    out.print(f"wrote {result['output']}: removed {what} {plan['removed']} (0-based original indices); {checked}",
+    unit = plan.get("unit", "block")
+    what = ("layers " + str(plan["removed"]) if unit == "block" else
+            f"the {unit} sublayers of layers {plan['removed']}" if unit in ("attention", "mlp") else
+            plan["cut"]["describe"])
+    out.print(f"wrote {result['output']}: removed {what} (0-based original indices); {checked}",
               highlight=False, soft_wrap=True)
 
 

@@ -134,3 +134,24 @@ def test_engine_equals_full_forwards_on_the_real_models(alias, cut, shared_data)
         assert engine.perplexity_without(extra) == pytest.approx(plain(model, windows, extra, 1), rel=1e-5), extra
     engine.remove([cut[0]])
     assert engine.perplexity_without([cut[1]]) == pytest.approx(plain(model, windows, cut[:2], 1), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_engine_measures_mixed_cuts_as_a_full_forward_does(arch, dtype, tiny_checkpoint):
+    """Blocks, attention and MLP removals in one cut, from any current cut: the replay equals a full forward
+    of the model with the same removals made in memory (sublayers skipped, blocks taken out)."""
+    from prunetool.cut import Cut
+    from prunetool.model.runner import cut_perplexity
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=dtype).eval()
+    windows = torch.randint(model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(2))
+    engine = CutEngine(model, windows, batch_size=2)
+    cuts = [Cut(6, attention=(2,), mlp=(4,)), Cut(6, attention=(1, 3), mlp=(3, 5)), Cut(6, mlp=(0, 1, 2, 3, 4, 5)),
+            Cut(6, attention=(1, 2, 3, 4, 5), mlp=(2,))]
+    for current in (Cut(6), Cut(6, attention=(3,), mlp=(3,)), Cut(6, mlp=(1,))):
+        engine.set_cut(current)
+        for cut in cuts:
+            expected = cut_perplexity(model, windows, cut, batch_size=2)
+            assert engine.perplexity_of(cut) == pytest.approx(expected, rel=1e-5), (current, cut)
+    assert engine.perplexity_of(Cut(6)) == pytest.approx(cut_perplexity(model, windows, batch_size=2), rel=1e-5)

@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "prunetool"
 
 # lowest first: each stage may import its own modules and any stage before it
 STAGES = [
-    {"prunetool", "errors", "paths", "network", "progress", "memory", "checkpoint_io"},
+    {"prunetool", "errors", "paths", "network", "progress", "memory", "checkpoint_io", "cut"},
     {"sources"},
     {"model"},
     {"repair"},  # below select: repair-aware selection judges candidate cuts after their patch

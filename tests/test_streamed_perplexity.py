@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prunetool.cut import Cut
 from prunetool.model.in_memory import layers_removed
 from prunetool.model.loading import load_model
 from prunetool.model.perplexity import perplexity
@@ -26,8 +27,8 @@ def test_streamed_perplexity_equals_the_loaded_model(arch, removed, tiny_checkpo
     windows = torch.randint(0, len(tokenizer), (3, 32), generator=generator)
     with layers_removed(model, removed):
         expected = perplexity(model, windows)
-    got = streamed_perplexity(source, windows, removed=removed, dtype=torch.float32, device=torch.device("cpu"),
-                              batch_size=2)
+    got = streamed_perplexity(source, windows, cut=Cut.of("block", removed, 6), dtype=torch.float32,
+                              device=torch.device("cpu"), batch_size=2)
     assert got == pytest.approx(expected, rel=1e-5)
 
 
@@ -38,5 +39,6 @@ def test_streamed_perplexity_in_bfloat16(arch, tiny_checkpoint):
     windows = torch.randint(0, len(tokenizer), (2, 32), generator=torch.Generator().manual_seed(1))
     with layers_removed(model, (2,)):
         expected = perplexity(model, windows)
-    got = streamed_perplexity(source, windows, removed=(2,), dtype=torch.bfloat16, device=torch.device("cpu"))
+    got = streamed_perplexity(source, windows, cut=Cut.of("block", (2,), 6), dtype=torch.bfloat16,
+                              device=torch.device("cpu"))
     assert got == pytest.approx(expected, rel=5e-3)  # the same bf16 kernels; only the head's sum order differs

@@ -203,3 +203,61 @@ def test_every_block_writes_every_key_the_engines_read(arch, family, calib, tmp_
                 assert -(-int(2 * ffn["ffn_mult"] * hidden / 3) // 256) * 256 == width
             else:  # 128 is no multiple of 256: no ffn_mult gives it back
                 assert "ffn_mult" not in ffn and ffn["intermediate_size"] == width
+
+
+def mixed_reference(source, ids, attention, mlp, dtype):
+    """Independent of the writer and of prunetool's in-memory removal: the unpruned model with hooks that zero a
+    removed sublayer's output, or pass a removed block's input straight through."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+
+    def zero(_module, _args, output):
+        return (torch.zeros_like(output[0]),) + tuple(output[1:]) if isinstance(output, tuple) else torch.zeros_like(output)
+
+    def through(_module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+    for index, layer in enumerate(model.model.layers):
+        if index in attention and index in mlp:
+            layer.register_forward_hook(through, with_kwargs=True)
+        elif index in attention:
+            layer.self_attn.register_forward_hook(zero)
+        elif index in mlp:
+            layer.mlp.register_forward_hook(zero)
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "smollm2"])
+def test_a_mixed_cut_drops_its_blocks_and_matches_the_reference(arch, family, tmp_path):
+    from prunetool.checkpoint.surgery import write_cut_checkpoint
+    from prunetool.cut import Cut
+
+    source, out = family(arch), tmp_path / "mixed"
+    cut = Cut(6, attention=(1, 2, 4), mlp=(2, 5))  # block 2, attention 1 and 4, MLP 5
+    write_cut_checkpoint(source, cut, out)
+    parsed = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    assert len(parsed.block_configs) == 5  # layer 2 left; the others renumbered 0, 1, 2, 3, 4
+    assert [(bool(b.attention.no_op), bool(b.ffn.no_op)) for b in parsed.block_configs] == [
+        (False, False), (True, False), (False, False), (True, False), (False, True)]
+    before, after = tensors(source), tensors(out)
+    assert not any(name.startswith("model.layers.5.") for name in after)
+    assert torch.equal(after["model.layers.2.self_attn.q_proj.weight"], before["model.layers.3.self_attn.q_proj.weight"])
+    ids = torch.randint(0, parsed.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=dtype).eval()
+        with torch.no_grad():
+            got = reloaded(ids).logits.float()
+        want = mixed_reference(source, ids, cut.attention, cut.mlp, dtype)
+        atol = 1e-5 if dtype == torch.float32 else 8 * torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def test_a_mixed_cut_vllm_cannot_serve_is_refused_before_writing(family, tmp_path):
+    from prunetool.checkpoint.surgery import write_cut_checkpoint
+    from prunetool.cut import Cut
+    from prunetool.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"^vLLM cannot serve this cut: layer 1 \(layer 0 once"):
+        write_cut_checkpoint(family("llama"), Cut(6, attention=(0, 1), mlp=(0,)), tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from prunetool.cut import Cut
 from prunetool.errors import OptionError, UnsupportedModelError
 from prunetool.evaluation.efficiency import kv_bytes_per_token, measure_efficiency, parameter_count, relative_to
 from prunetool.model.in_memory import prune_in_memory
@@ -49,7 +50,7 @@ def test_skipped_sublayers_equal_zeroed_outputs(arch, unit, dtype, rtol, tiny_ch
     windows = windows_for(model)
     removed = [1, 2, 4]
     want = hooked_perplexity(model, windows, removed, unit)
-    assert cut_perplexity(model, windows, removed=removed, unit=unit) == pytest.approx(want, rel=rtol)
+    assert cut_perplexity(model, windows, Cut.of(unit, removed, 6)) == pytest.approx(want, rel=rtol)
     assert cut_perplexity(model, windows) != pytest.approx(want, rel=1e-3)  # the cut changes the model
     assert cut_perplexity(model, windows) == pytest.approx(perplexity(model, windows), rel=1e-6)  # restored
 
@@ -70,14 +71,14 @@ def test_refusals(tiny_checkpoint):
     model = load(tiny_checkpoint, "llama")
     windows = windows_for(model)
     with pytest.raises(OptionError, match="all 6 attention sublayers"):
-        cut_perplexity(model, windows, removed=range(6), unit="attention")
+        cut_perplexity(model, windows, Cut.of("attention", range(6), 6))
     with pytest.raises(OptionError, match="0..5"):
-        cut_perplexity(model, windows, removed=[6], unit="mlp")
+        cut_perplexity(model, windows, Cut.of("mlp", [6], 6))
     with pytest.raises(OptionError, match="--unit"):
         CutEngine(model, windows, unit="head")
     gemma = load(tiny_checkpoint, "gemma2")
     with pytest.raises(UnsupportedModelError, match="sandwich norms"):
-        cut_perplexity(gemma, windows_for(gemma), removed=[1], unit="attention")
+        cut_perplexity(gemma, windows_for(gemma), Cut.of("attention", [1], 6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

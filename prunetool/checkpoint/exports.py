@@ -147,7 +147,24 @@ def serving_lines(nemotron: bool) -> list[str]:
     ]
 
 
-UNIT_WORDS = {"block": "whole decoder layers", "attention": "attention sublayers", "mlp": "MLP sublayers"}
+UNIT_WORDS = {"block": "whole decoder layers", "attention": "attention sublayers", "mlp": "MLP sublayers",
+              "mixed": "whole decoder layers and sublayers"}
+
+
+def _target_rows(targets: dict | None) -> list[str]:
+    """The budget a --target prune was asked for, each target's value for the base and the cut, and whether met."""
+    if not targets:
+        return []
+    rows = ["Targets (`--target`):", "", "| target | base | pruned | met |", "|---|---|---|---|"]
+    for report in targets["targets"]:
+        if "ratio" in report:
+            pruned = f"{report['cut']:,.0f} ({report['ratio']:.3f}x)"
+        else:
+            speedup = report.get("speedup", report.get("predicted_speedup"))
+            pruned = f"{speedup:.2f}x faster" + ("" if "speedup" in report else " (predicted)")
+        base = f"{report['base']:,.0f}" if "ratio" in report else "1.00x"
+        rows.append(f"| {report['target']} | {base} | {pruned} | {'yes' if report['met'] else 'no'} |")
+    return rows + [""]
 
 
 def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, command: str,
@@ -163,17 +180,19 @@ def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, com
         "tags: [pruned, prunetool]",
         "---",
         "",
-        f"# {base_model}, {len(plan.removed)} of {plan.num_layers} {UNIT_WORDS[plan.unit]} removed",
+        (f"# {base_model}, {len(plan.removed)} of {plan.num_layers} {UNIT_WORDS[plan.unit]} removed"
+         if plan.unit != "mixed" else f"# {base_model}, {plan.cut.describe()} removed"),
         "",
         f"Made with prunetool {__version__} by removing {UNIT_WORDS[plan.unit]}"
-        f"{'' if plan.unit == 'block' else ' (a nemotron-nas / DeciLM checkpoint: load with trust_remote_code=True)'}. "
+        f"{'' if plan.cut.blocks_only else ' (a nemotron-nas / DeciLM checkpoint: load with trust_remote_code=True)'}. "
         f"{source_sentence(plan.base_model, patched=patch is not None)}",
         "",
         *_patch_rows(patch),
-        f"- Removed layers (0-based indices of the original model): {', '.join(map(str, plan.removed))}",
+        f"- Removed (0-based indices of the original model): {plan.cut.describe()}",
         f"- Kept: {len(plan.kept)} layers; `prune.json` maps each original index to its new one.",
         f"- Chosen by: {criterion}",
         "",
+        *_target_rows(plan.targets),
         *_perplexity_rows(perplexity, plan.num_layers, len(plan.kept)),
         "",
         "Reproduce:",
@@ -182,9 +201,9 @@ def model_card(plan: PrunePlan, *, base_model: str, perplexity: dict | None, com
         command,
         "```",
         "",
-        *serving_lines(plan.unit != "block"),
+        *serving_lines(not plan.cut.blocks_only),
     ]
-    if plan.unit == "block":
+    if plan.cut.blocks_only:
         lines += ["", "The same cut with other tools: `mergekit.yaml` (mergekit passthrough) and",
                   "`llama.cpp-prune-layers.txt` (`llama-quantize --prune-layers $(cat llama.cpp-prune-layers.txt) ...`)."]
     return "\n".join(lines) + "\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from prunetool.sources.checks import ships_our_code
-from prunetool.model.architecture import decoder_of
+from prunetool.model.architecture import cache_argument, decoder_of
 from prunetool.errors import VerificationError
 from prunetool.model.loading import quiet_transformers
 from prunetool.model.perplexity import perplexity
@@ -53,12 +53,6 @@ def greedy(model, prompt: torch.Tensor, *, use_cache: bool) -> list[int]:
                             temperature=None, top_p=None, top_k=None, attention_mask=torch.ones_like(prompt))
     return output[0, prompt.shape[1]:].tolist()
 
-
-def cache_argument(model) -> str:
-    """transformers >= 5.24 names the forward's cache `cache` (`past_key_values` is deprecated); older 5.x do not."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def cached_logprob_gap(model, prompt: torch.Tensor, continuation: list[int], setting: "VerifySetting") -> float:

@@ -37,6 +37,7 @@ from prunetool.checkpoint.exports import llamacpp_prune_layers, mergekit_yaml, m
 from prunetool.model.loading import load_model, offloaded_to_disk, pick_device, pick_dtype
 from prunetool.memory import peak_rss_bytes, use_low_memory
 from prunetool.model.runner import as_runner, cut_perplexity
+from prunetool.cut import Cut
 from prunetool.select.plan import PrunePlan
 from prunetool.progress import window_progress
 from prunetool.select.ranking import GUIDED_BLOCKS, GUIDED_SHORTLIST, GUIDED_WINDOWS, HALVING_SCREEN_TOKENS
@@ -47,7 +48,7 @@ from prunetool.select.selection import (CRITERIA, SUBLAYER_UNITS, make_plan, man
 from prunetool.sources import model_key, resolve_model
 from prunetool.sources.demo import find_alias
 from prunetool.sources.tokenizer import FileTokenizer
-from prunetool.checkpoint.surgery import patched_tensor_names, write_pruned_checkpoint, write_sublayer_checkpoint
+from prunetool.checkpoint.surgery import patched_tensor_names, write_cut_checkpoint, write_pruned_checkpoint
 from prunetool.checkpoint.surgery.output import check_output
 from prunetool.checkpoint.verify import VerifySetting, verify_checkpoint, verify_streamed
 
@@ -87,7 +88,9 @@ class PruneRequest:
     patch: bool = False
     patch_objective: str | None = None  # None: prunetool.repair.fit.DEFAULT_OBJECTIVE
     patch_windows: int | None = None  # None: patch_windows_for(seq_len)
-    unit: str = "block"  # what --drop and --remove-layers count: layers, or attention or MLP sublayers
+    unit: str | None = None  # what --drop and --remove-layers count (default block); with --target, the only kind
+    target: str | None = None  # --target params=0.85,kv=0.75,...: a budget instead of a count
+    pareto: Path | None = None  # --pareto FILE: the quality-cost frontier of the budget search, as JSON
 
 
 @dataclass(frozen=True)
@@ -135,17 +138,17 @@ def starting_point(request: PruneRequest) -> StartingPoint:
 
 def check_options(request: PruneRequest, num_layers: int) -> tuple[int, ...] | None:
     """Fail on any bad option before loading anything; returns the --layers indices when given."""
+    if request.target is not None:
+        raise AssertionError("--target requests are checked by check_target_options")
     if (request.drop is None) == (request.layers is None):
-        raise OptionError("give exactly one of --drop N or --remove-layers 3,7,12")
+        raise OptionError("give exactly one of --drop N, --remove-layers 3,7,12 or --target params=0.85,...")
     if request.unit not in SUBLAYER_UNITS:
         raise OptionError(f"--unit must be one of {', '.join(SUBLAYER_UNITS)}, got {request.unit!r}")
     if request.layers is not None:
         removed = parse_layers(request.layers, num_layers, allow_all=request.unit != "block")
         if request.unit == "attention" and len(removed) >= num_layers:
             raise OptionError(f"--remove-layers names all {num_layers} attention sublayers; at least one must stay")
-        if request.unit == "attention":
-            from prunetool.checkpoint.nemotron_nas.convert import check_engine_rules
-            check_engine_rules(num_layers, removed, ())
+        Cut.of(request.unit, removed, num_layers).check_engines()
         return removed
     validate_selection(request.criterion, request.drop, num_layers, beta=request.beta,
                        protect_first=protected_first(request), protect_last=request.protect_last,
@@ -262,7 +265,7 @@ def measure_perplexity(model, calibration: CalibrationSet, plan: PrunePlan) -> d
     after = (f"that follow the {held['after_windows']} selection windows, from token {held['first_token']}"
              if held["after_windows"] else f"from token {held['first_token']} (no selection windows: --layers)")
     before = cut_perplexity(model, calibration.held_out)
-    pruned = cut_perplexity(model, calibration.held_out, removed=plan.removed, unit=plan.unit)
+    pruned = cut_perplexity(model, calibration.held_out, plan.cut)
     return {"before": before, "after": pruned, "held_out": held,
             "description": f"{held['windows']} windows x {held['seq_len']} tokens of {held['source']} {after}"}
 
@@ -329,7 +332,7 @@ def patch_model(model, plan: PrunePlan, calibration: CalibrationSet, source, req
 
 
 def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: VerifySetting | None,
-               patch: dict | None = None) -> dict[str, str]:
+               patch: dict | None = None, command: str | None = None) -> dict[str, str]:
     """prune.json, the model card and the same cut for mergekit and llama.cpp."""
     verification = None
     if setting is not None:
@@ -342,17 +345,18 @@ def side_files(plan: PrunePlan, source, perplexity_info: dict | None, setting: V
     record = prune_record(plan, source_path=str(source.path), perplexity=perplexity_info, verification=verification,
                           patch=patch)
     config = text_section(source.config)
-    command = f"prunetool prune {plan.base_model} --remove-layers {','.join(map(str, plan.removed))}"
-    if plan.unit != "block":
-        command += f" --unit {plan.unit}"
-    if patch is not None:
-        command += f" --patch --patch-objective {patch['objective']}"
+    if command is None:
+        command = f"prunetool prune {plan.base_model} --remove-layers {','.join(map(str, plan.removed))}"
+        if plan.unit != "block":
+            command += f" --unit {plan.unit}"
+        if patch is not None:
+            command += f" --patch --patch-objective {patch['objective']}"
     files = {
         "prune.json": json.dumps(record, indent=1) + "\n",
         "README.md": model_card(plan, base_model=base_model_name(source), perplexity=perplexity_info, command=command,
                                 patch=patch),
     }
-    if plan.unit == "block":  # mergekit and llama.cpp's layer lists remove whole layers only
+    if plan.cut.blocks_only:  # mergekit and llama.cpp's layer lists remove whole layers only
         files["mergekit.yaml"] = mergekit_yaml(plan, str(source.path), config.get("dtype") or config.get("torch_dtype"))
         files["llama.cpp-prune-layers.txt"] = llamacpp_prune_layers(plan)
     return files
@@ -409,6 +413,10 @@ def load_for_prune(request: PruneRequest, start, source, low_memory: bool, selec
 
 def run_prune(request: PruneRequest, console: Console) -> dict:
     """Choose, measure, write, verify; returns what the CLI prints."""
+    if request.target is not None:
+        raise AssertionError("--target runs commands.budget.run_budget")
+    if request.unit is None:
+        request = dataclasses.replace(request, unit="block")
     start = starting_point(request)
     source = resolve_model(start.spec, trust_remote_code=request.trust_remote_code)
     spec = start.spec or source.spec
@@ -446,7 +454,7 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
         patch_set = calibration.first(patch_windows)
         replacements, patch = patch_model(model, plan, patch_set, source, request, console)
         if perplexity_info is not None:
-            patched = cut_perplexity(model, calibration.held_out, removed=plan.removed)
+            patched = cut_perplexity(model, calibration.held_out, plan.cut)
             perplexity_info |= {"plain_cut": perplexity_info["after"], "patched": patched, "after": patched}
             warning = patch_warning(perplexity_info["plain_cut"], patched)
             if warning:
@@ -455,21 +463,21 @@ def run_prune(request: PruneRequest, console: Console) -> dict:
 
     def check(folder: Path) -> None:
         verify = verify_streamed if low_memory else functools.partial(verify_checkpoint,
-                                                                     shipped_code=plan.unit != "block")
+                                                                     shipped_code=not plan.cut.blocks_only)
         verification.update(verify(folder, expected_layers=len(plan.kept), held_out=calibration.held_out,
                                    expected_perplexity=perplexity_info["after"], setting=setting))
 
     with window_progress(console) as progress:
         task = progress.add_task("writing shards", total=None)
         extra = side_files(plan, source, perplexity_info, setting, patch)
-        if plan.unit == "block":
+        if plan.cut.blocks_only:  # the source's own format (and the only cut a patch applies to)
             write_pruned_checkpoint(source.path, plan, output, force=request.force, extra_files=extra,
                                     on_shard=lambda name: progress.advance(task),
                                     before_publish=check if verifying else None, replacements=replacements)
         else:
-            write_sublayer_checkpoint(source.path, plan, output, force=request.force, extra_files=extra,
-                                      on_shard=lambda name: progress.advance(task),
-                                      before_publish=check if verifying else None)
+            write_cut_checkpoint(source.path, plan.cut, output, force=request.force, extra_files=extra,
+                                 on_shard=lambda name: progress.advance(task),
+                                 before_publish=check if verifying else None)
     pruned = {"path": str(output.resolve()), "removed": list(plan.removed), "criterion": plan.criterion,
               "held_out": perplexity_info["held_out"] if perplexity_info else None}
     record_current_run(spec, source.path, scores.to_json() if scores is not None else None, start.calibration, pruned)

@@ -79,10 +79,9 @@ def _decode(model: nn.Module, prompt: torch.Tensor, steps: int) -> float:
     """Seconds for `steps` greedy decoding steps with the KV cache, after an untimed prefill of `prompt`."""
     from transformers import DynamicCache
 
-    import inspect
+    from prunetool.model.architecture import cache_argument
 
-    # transformers renamed the argument `cache`; remote code (a nemotron-nas folder's) may keep the old name
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    name = cache_argument(model)
     cache = DynamicCache(config=model.config)
     output = model(input_ids=prompt, use_cache=True, **{name: cache})
     token = output.logits[:, -1:].argmax(-1)

@@ -98,3 +98,11 @@ def inspect_decoder(model: nn.Module) -> DecoderLayout:
         head_dim=head_dim,
         tested=model.config.model_type in TESTED,
     )
+
+
+def cache_argument(model) -> str:
+    """transformers >= 5.24 names the forward's cache `cache` (`past_key_values` is deprecated); older 5.x and
+    remote code (a nemotron-nas folder's) keep the old name."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

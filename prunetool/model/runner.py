@@ -68,9 +68,8 @@ class ModelRunner:
         """Summed NLL of `targets` (N,) under the LM head applied to normed `hidden` (N, d)."""
         return windowed._head_nll_sum(self.model, hidden, targets)
 
-    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1, unit: str = "block") -> float:
-        """model.perplexity.perplexity() of the model with `removed` layers (or, for unit attention or mlp,
-        those layers' sublayers) gone."""
+    def perplexity(self, windows: torch.Tensor, *, cut=None, batch_size: int = 1) -> float:
+        """model.perplexity.perplexity() of the model under `cut` (a prunetool.cut.Cut; None: the whole model)."""
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -102,8 +101,8 @@ class LoadedModel(ModelRunner):
     def device(self) -> torch.device:
         return input_device(self.model)
 
-    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1, unit: str = "block") -> float:
-        with removed_units(self.model, removed, unit):
+    def perplexity(self, windows: torch.Tensor, *, cut=None, batch_size: int = 1) -> float:
+        with removed_units(self.model, cut):
             return windowed.perplexity(self.model, windows, batch_size=batch_size)
 
     def replace_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -168,9 +167,20 @@ def bfloat16_copy(model: nn.Module) -> nn.Module:
     return low.eval()
 
 
-def removed_units(model: nn.Module, removed, unit: str = "block"):
-    """The context that removes `removed` units: whole layers, or their attention or MLP sublayers."""
-    return layers_removed(model, removed) if unit == "block" else sublayers_removed(model, removed, unit)
+@contextlib.contextmanager
+def removed_units(model: nn.Module, cut):
+    """The context that makes a Cut in memory (None: nothing). Sublayers are skipped first, by original index,
+    then the whole blocks leave."""
+    from prunetool.cut import ATTENTION, BLOCK, MLP, Cut
+
+    cut = cut if cut is not None else Cut(len(decoder_of(model).layers))
+    with contextlib.ExitStack() as stack:
+        for state in (ATTENTION, MLP):
+            if cut.layers_of(state):
+                stack.enter_context(sublayers_removed(model, cut.layers_of(state), state))
+        if cut.layers_of(BLOCK):
+            stack.enter_context(layers_removed(model, cut.layers_of(BLOCK)))
+        yield cut
 
 
 def as_runner(model) -> ModelRunner:
@@ -178,6 +188,6 @@ def as_runner(model) -> ModelRunner:
     return model if isinstance(model, ModelRunner) else LoadedModel(model)
 
 
-def cut_perplexity(model, windows: torch.Tensor, *, removed=(), batch_size: int = 1, unit: str = "block") -> float:
-    """perplexity() with `removed` units gone, for a loaded model or any ModelRunner."""
-    return as_runner(model).perplexity(windows, removed=removed, batch_size=batch_size, unit=unit)
+def cut_perplexity(model, windows: torch.Tensor, cut=None, *, batch_size: int = 1) -> float:
+    """perplexity() under `cut` (a prunetool.cut.Cut; None: the whole model), for a loaded model or any ModelRunner."""
+    return as_runner(model).perplexity(windows, cut=cut, batch_size=batch_size)

@@ -268,12 +268,12 @@ class StreamedModel(ModelRunner):
                 target_logit[inside] = logits[inside, targets[inside] - first]
         return (log_total - target_logit).double().sum().item()
 
-    def perplexity(self, windows: torch.Tensor, *, removed=(), batch_size: int = 1, unit: str = "block") -> float:
-        """`perplexity()` of the model with `removed` layers gone, one decoder layer in memory at a time;
+    def perplexity(self, windows: torch.Tensor, *, cut=None, batch_size: int = 1) -> float:
+        """`perplexity()` of the model under `cut`, one decoder layer in memory at a time;
         the head runs once over the final hidden states of all windows (so it is read once)."""
         hidden = []
         inputs = self.remap(windows)
-        with torch.inference_mode(), removed_units(self.model, removed, unit):
+        with torch.inference_mode(), removed_units(self.model, cut):
             for start in range(0, windows.shape[0], batch_size):
                 batch = inputs[start:start + batch_size].to(self.device)
                 states = decoder_of(self.model)(input_ids=batch, use_cache=False).last_hidden_state
@@ -335,8 +335,8 @@ def build_streamed(source, input_ids: torch.Tensor, *, dtype: torch.dtype, devic
     return StreamedModel(model, torch.searchsorted(used, input_ids), device, reader, head_name, used, streamer)
 
 
-def streamed_perplexity(source, windows: torch.Tensor, *, removed=(), dtype: torch.dtype, device: torch.device,
+def streamed_perplexity(source, windows: torch.Tensor, *, cut=None, dtype: torch.dtype, device: torch.device,
                         batch_size: int = 1) -> float:
-    """`perplexity()` of the model with `removed` layers gone, without holding it (StreamedModel.perplexity)."""
+    """`perplexity()` of the model under `cut`, without holding it (StreamedModel.perplexity)."""
     streamed = build_streamed(source, windows, dtype=dtype, device=device)
-    return streamed.perplexity(windows, removed=removed, batch_size=batch_size)
+    return streamed.perplexity(windows, cut=cut, batch_size=batch_size)

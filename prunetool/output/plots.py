@@ -239,3 +239,36 @@ def plot_prune(scores: dict | None, plan: dict, path, *, title: str | None = Non
     figure = prune_figure(scores, plan, title=title)
     save_figure(figure, path)
     return figure
+
+
+FRONTIER_STYLE = {"mixed": ("tab:blue", "o"), "block-only": ("tab:red", "s"), "attention-only": ("tab:green", "^")}
+
+
+def pareto_figure(frontier: dict, *, title: str | None = None):
+    """Calibration perplexity against the swept target, one curve per candidate kind, the chosen cut starred."""
+    figure = new_figure(figsize=(6.4, 4.2))
+    axes = figure.add_subplot()
+    speed = frontier["target"]["name"] in ("decode", "prefill")
+    for kind, (colour, marker) in FRONTIER_STYLE.items():
+        points = sorted((p for p in frontier["points"] if p["kind"] == kind),
+                        key=lambda p: p["speedup"] if speed else p["ratio"])
+        if points:
+            axes.plot([p["speedup"] if speed else p["ratio"] for p in points], [p["perplexity"] for p in points],
+                      marker=marker, color=colour, label=kind)
+    chosen = frontier.get("chosen")
+    if chosen:
+        axes.plot([chosen["x"]], [chosen["perplexity"]], marker="*", markersize=14, color="black", linestyle="none",
+                  label=f"chosen: {chosen['describe']}")
+    axes.set_xlabel(f"{frontier['target']['name']} ({'predicted speed-up' if speed else 'x base'})")
+    axes.set_ylabel("calibration perplexity")
+    axes.set_yscale("log")
+    axes.legend(fontsize="small")
+    axes.set_title(title or f"{frontier['model']}: quality against {frontier['target']['name']}", fontsize="medium")
+    figure.tight_layout()
+    return figure
+
+
+def plot_pareto(frontier: dict, path, *, title: str | None = None):
+    figure = pareto_figure(frontier, title=title)
+    save_figure(figure, path)
+    return figure

@@ -74,6 +74,30 @@ def plan_table(plan: dict) -> Table:
     return table
 
 
+def budget_table(budget: dict, plan: dict) -> Table:
+    """--target: the cut, each target against the base and whether it is met, and what the search cost."""
+    seconds = budget["seconds"]
+    ppl = budget["calibration_perplexity"]
+    table = Table(title=f"budget cut: {plan['cut']['describe']} (0-based original indices)", title_justify="left",
+                  box=box.SIMPLE_HEAD, caption_justify="left",
+                  caption=f"calibration perplexity {ppl['base']:.3f} -> {ppl['cut']:.3f} (exact solve "
+                          f"{ppl['solved']:.3f}, then {budget['local_search_evaluations']} measured neighbours); "
+                          f"{budget['resolves']} re-solve(s) after a measured speed miss; {seconds['total']:.1f} s")
+    for column in ("target", "base", "cut", "met"):
+        table.add_column(column, justify="left" if column == "target" else "right")
+    for report in budget["targets"]:
+        if "ratio" in report:
+            cut, base = f"{report['cut']:,.0f} ({report['ratio']:.3f}x)", f"{report['base']:,.0f}"
+        else:
+            measured = report.get("speedup")
+            cut = (f"{measured:.2f}x measured, " if measured is not None else "") + \
+                f"{report['predicted_speedup']:.2f}x predicted"
+            base = "1.00x"
+        table.add_row(report["target"], base, cut, Text("yes", style="green") if report["met"] else
+                      Text("no", style="bold red"))
+    return table
+
+
 def perplexity_table(perplexity: dict, base_layers: int, kept_layers: int) -> Table:
     """Base against pruned on held-out text; the caption says which text."""
     table = Table(title="held-out perplexity", title_justify="left", box=box.SIMPLE_HEAD,

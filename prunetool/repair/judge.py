@@ -16,6 +16,7 @@ import torch
 from prunetool.repair.capture import capture_runs
 from prunetool.repair.fit import fit_runs
 from prunetool.repair.sites import runner_sites
+from prunetool.cut import Cut
 from prunetool.model.runner import as_runner
 
 
@@ -34,5 +35,6 @@ def patched_perplexities(model, cuts: Iterable[Sequence[int]], fit_windows: torc
         for site in cut_sites:
             tensors |= fitted[(site.first, site.last)].tensors
         with runner.tensors_replaced(tensors):
-            out[cut] = runner.perplexity(judge_windows, removed=cut, batch_size=batch_size)
+            out[cut] = runner.perplexity(judge_windows, cut=Cut.of("block", cut, len(runner.layers)),
+                                         batch_size=batch_size)
     return out

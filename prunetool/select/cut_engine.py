@@ -36,6 +36,7 @@ from prunetool.model.architecture import TESTED
 from prunetool.model.perplexity import perplexity_from_mean
 from prunetool.model.runner import ModelRunner, as_runner
 from prunetool.model.sublayers import check_sublayer_layout, check_unit, sublayer_skipped
+from prunetool.cut import ATTENTION, BLOCK, KEPT, MLP, Cut
 
 SELF_CHECK_RTOL = 1e-5
 
@@ -68,7 +69,8 @@ class CutEngine:
                         for start in range(0, windows.shape[0], self.batch_size)]
         self.targets = [windows[start:start + self.batch_size, 1:].reshape(-1).to(self.device, torch.long)
                         for start in range(0, windows.shape[0], self.batch_size)]
-        self.removed: tuple[int, ...] = ()
+        self.cut = Cut(len(self.layers))  # the current cut, whose boundaries `states` holds
+        self._layouts_checked: set[tuple[int, str]] = set()
         self.batches_skipped = 0  # batches perplexity_without(give_up_above=...) did not need to run
         self.kwargs: list[list[dict]] = []  # [batch][layer] -> the decoder's keyword arguments to that layer
         self.states: list[list[torch.Tensor]] = []  # [batch][boundary] -> input of layer `boundary` (L: output)
@@ -92,7 +94,7 @@ class CutEngine:
         through the same head (that pass is perplexity()'s forward, so no second forward is run).
         """
         with torch.inference_mode():
-            mine = self._nll(0, self._run(0, 0, set()))
+            mine = self._nll(0, self._run(0, 0, self.cut))
         if not math.isclose(mine, plain_first, rel_tol=SELF_CHECK_RTOL):
             raise EngineUnsupported(f"layer-by-layer NLL {mine!r} differs from the model's {plain_first!r}")
 
@@ -122,21 +124,38 @@ class CutEngine:
                 handle.remove()
         return arguments, inputs, output
 
-    def _layer(self, batch: int, index: int, hidden: torch.Tensor, skip: set[int]) -> torch.Tensor:
-        """Layer `index` on `hidden`: skipped whole, run with its `unit` sublayer skipped, or run."""
-        if index not in skip:
+    @property
+    def removed(self) -> tuple[int, ...]:
+        """The current cut's layers of this engine's unit (what `remove` and `perplexity_without` count in)."""
+        return self.cut.layers_of(self.unit)
+
+    def _as_cut(self, layers: Iterable[int]) -> Cut:
+        return Cut.of(self.unit, layers, len(self.layers))
+
+    def _layer(self, batch: int, index: int, hidden: torch.Tensor, cut: Cut) -> torch.Tensor:
+        """Layer `index` on `hidden`: skipped whole, run with a sublayer skipped, or run."""
+        state = cut.state(index)
+        if state == KEPT:
             return _layer_output(self.layers[index](hidden, **self.kwargs[batch][index]))
-        if self.unit == "block":
+        if state == BLOCK:
             return hidden
-        with sublayer_skipped(self.layers[index], self.unit):
+        if (index, state) not in self._layouts_checked:
+            check_sublayer_layout(self.layers[index], state)
+            self._layouts_checked.add((index, state))
+        with sublayer_skipped(self.layers[index], state):
             return _layer_output(self.layers[index](hidden, **self.kwargs[batch][index]))
 
-    def _run(self, batch: int, start: int, skip: set[int]) -> torch.Tensor:
-        """The output of the last layer, starting from the cached input of layer `start`, skipping `skip`."""
+    def _run(self, batch: int, start: int, cut: Cut) -> torch.Tensor:
+        """The output of the last layer, starting from the cached input of layer `start`, under `cut`."""
         hidden = self.states[batch][start]
         for index in range(start, len(self.layers)):
-            hidden = self._layer(batch, index, hidden, skip)
+            hidden = self._layer(batch, index, hidden, cut)
         return hidden
+
+    def _first_change(self, cut: Cut) -> int:
+        """The first layer whose state differs from the current cut's (L when none does)."""
+        return next((index for index in range(len(self.layers)) if cut.state(index) != self.cut.state(index)),
+                    len(self.layers))
 
     def _normed(self, last: torch.Tensor) -> torch.Tensor:
         hidden = self.runner.final_norm(last)[:, :-1]
@@ -157,20 +176,25 @@ class CutEngine:
         head is read from disk measures all windows in one head pass and is always exact.
         """
         extra = set(extra) - set(self.removed)
-        skip = set(self.removed) | extra
-        if len(skip) >= len(self.layers) and self.unit in ("block", "attention"):
+        if len(set(self.removed) | extra) >= len(self.layers) and self.unit in ("block", "attention"):
             return math.inf  # nothing left to run, or no attention left to read the context
-        start = min(extra) if extra else len(self.layers)
+        return self.perplexity_of(self.cut.plus(self.unit, extra), batches, give_up_above=give_up_above)
+
+    def perplexity_of(self, cut: Cut, batches: Sequence[int] | None = None, *,
+                      give_up_above: float = math.inf) -> float:
+        """Perplexity under any cut (blocks and sublayers mixed), reusing the current cut's boundaries up to the
+        first layer whose state differs; `give_up_above` as in perplexity_without."""
+        start = self._first_change(cut)
         chosen = range(len(self.batches)) if batches is None else batches
         with torch.inference_mode():
             if self.runner.head_from_disk:  # one pass of the head over every window's final states
-                hidden = torch.cat([self._normed(self._run(batch, start, skip)) for batch in chosen])
+                hidden = torch.cat([self._normed(self._run(batch, start, cut)) for batch in chosen])
                 total = self.runner.head_nll_sum(hidden, torch.cat([self.targets[batch] for batch in chosen]))
                 return perplexity_from_mean(total / hidden.shape[0])
             tokens = sum(self.targets[batch].numel() for batch in chosen)
             total = 0.0
             for done, batch in enumerate(chosen, start=1):
-                total += self._nll(batch, self._run(batch, start, skip))
+                total += self._nll(batch, self._run(batch, start, cut))
                 if perplexity_from_mean(total / tokens) > give_up_above:
                     self.batches_skipped += len(chosen) - done
                     break
@@ -180,20 +204,19 @@ class CutEngine:
         """Commit `layers` to the current cut and recompute the boundaries after the first of them."""
         self.set_cut(set(self.removed) | set(layers))
 
-    def set_cut(self, layers: Iterable[int]) -> None:
-        """Make `layers` the current cut (any set): boundaries up to the first changed layer are kept."""
-        wanted = tuple(sorted(set(layers)))
-        changed = set(wanted) ^ set(self.removed)
-        if not changed:
+    def set_cut(self, layers: Iterable[int] | Cut) -> None:
+        """Make `layers` (of this engine's unit, or a Cut) the current cut: boundaries up to the first changed
+        layer are kept."""
+        wanted = layers if isinstance(layers, Cut) else self._as_cut(set(layers))
+        first = self._first_change(wanted)
+        if first == len(self.layers):
             return
-        first = min(changed)
-        self.removed = wanted
-        skip = set(wanted)
+        self.cut = wanted
         with torch.inference_mode():
             for batch, states in enumerate(self.states):
                 hidden = states[first]
                 for index in range(first, len(self.layers)):
-                    hidden = self._layer(batch, index, hidden, skip).detach()
+                    hidden = self._layer(batch, index, hidden, wanted).detach()
                     states[index + 1] = hidden
 
     def layer_forwards(self, extra: Iterable[int]) -> int:

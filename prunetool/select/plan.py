@@ -6,6 +6,7 @@ Selection produces a PrunePlan; checkpoint surgery consumes only the plan. Every
 
 from dataclasses import dataclass, field
 
+from prunetool.cut import Cut
 from prunetool.errors import OptionError
 
 
@@ -20,8 +21,15 @@ class PrunePlan:
     calibration: dict | None = None  # CalibrationSet.describe() of the scores used, if any
     search_calibration: dict | None = None  # the windows a perplexity search measured (guided, ppl), if any
     unit: str = "block"  # what `removed` indexes: whole layers, or the attention or MLP sublayer of those layers
+    cut: Cut | None = None  # the per-layer cut; given for mixed cuts (then `removed` and `unit` follow from it)
+    targets: dict | None = None  # prune --target: each target, the base's and the cut's value, and whether met
 
     def __post_init__(self):
+        if self.cut is not None:
+            if self.cut.num_layers != self.num_layers:
+                raise OptionError(f"the cut is for {self.cut.num_layers} layers, the plan for {self.num_layers}")
+            object.__setattr__(self, "removed", tuple(sorted(set(self.cut.attention) | set(self.cut.mlp))))
+            object.__setattr__(self, "unit", self.cut.kind)
         removed = tuple(sorted(self.removed))
         object.__setattr__(self, "removed", removed)
         if len(set(removed)) != len(removed):
@@ -30,15 +38,16 @@ class PrunePlan:
             raise OptionError("nothing to remove: the plan names no layers")
         if removed[0] < 0 or removed[-1] >= self.num_layers:
             raise OptionError(f"layer indices must be in 0..{self.num_layers - 1}, got {list(removed)}")
-        if len(removed) >= self.num_layers and self.unit != "mlp":
+        if self.cut is None and len(removed) >= self.num_layers and self.unit != "mlp":
             what = "layers" if self.unit == "block" else "attention sublayers"
             raise OptionError(f"cannot remove all {self.num_layers} {what}; at least one must stay")
+        if self.cut is None:
+            object.__setattr__(self, "cut", Cut.of(self.unit, removed, self.num_layers))
 
     @property
     def kept(self) -> tuple[int, ...]:
-        """The layers the written model has (all of them when only sublayers go)."""
-        gone = set(self.removed) if self.unit == "block" else set()
-        return tuple(index for index in range(self.num_layers) if index not in gone)
+        """The layers the written model has (a whole block leaves; a layer that loses a sublayer stays)."""
+        return self.cut.kept
 
     @property
     def index_map(self) -> dict[int, int]:
@@ -58,5 +67,7 @@ class PrunePlan:
             "criterion_values": self.criterion_values,
             "calibration": self.calibration,
             "search_calibration": self.search_calibration,
+            "cut": self.cut.to_json(),
+            "targets": self.targets,
             "indexing": "0-based indices of the original model",
         }

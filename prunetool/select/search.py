@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from prunetool.cut import Cut
 from prunetool.select.ranking import (INFLUENCE_COLUMNS, Selection, SelectionRequest, column, contiguous_blocks,
                                      guided_importance)
 
@@ -84,7 +85,7 @@ def _full_forward(req: SelectionRequest, windows: torch.Tensor, removed) -> floa
     """Perplexity of `windows` with `removed` gone, by a plain forward of the cut model (no engine)."""
     from prunetool.model.runner import cut_perplexity
 
-    return cut_perplexity(req.model, windows, removed=sorted(removed), batch_size=req.batch_size, unit=req.unit)
+    return cut_perplexity(req.model, windows, Cut.of(req.unit, removed, req.num_layers), batch_size=req.batch_size)
 
 
 class _Steps:

@@ -82,20 +82,15 @@ def check_removed(num_layers: int, removed_attention, removed_mlp) -> tuple[set[
 
 
 def check_engine_rules(num_layers: int, removed_attention, removed_mlp) -> None:
-    """Refuse, in one line naming the engine, a sublayer cut that a serving engine computes wrongly or not at all.
+    """Refuse, in one line naming the engine, a sublayer cut that a serving engine computes wrongly or not at all
+    (prunetool.cut.first_mlp_before_attention: vLLM's first-attention rule), for a folder where every layer stays."""
+    from prunetool.cut import first_mlp_before_attention
 
-    vLLM's nemotron_nas forward (vllm/model_executor/models/nemotron_nas.py) starts its residual stream at the
-    first attention it runs: a layer that runs its MLP before any attention has run unpacks (hidden, residual)
-    from an RMSNorm that returns one tensor while the residual is None, and fails.
-    """
-    attention, mlp = set(removed_attention), set(removed_mlp)
-    for index in range(num_layers):
-        if index not in attention:
-            return
-        if index not in mlp:
-            raise OptionError(f"vLLM cannot serve this cut: layer {index} keeps its MLP but no attention runs before "
-                              "it, which vLLM's nemotron_nas forward does not handle; keep that layer's attention "
-                              "or remove its whole block")
+    index = first_mlp_before_attention(num_layers, removed_attention, removed_mlp)
+    if index is not None:
+        raise OptionError(f"vLLM cannot serve this cut: layer {index} keeps its MLP but no attention runs before "
+                          "it, which vLLM's nemotron_nas forward does not handle; keep that layer's attention "
+                          "or remove its whole block")
 
 
 def block_configs_for(config: dict, removed_attention=(), removed_mlp=()) -> list[dict]:

@@ -21,8 +21,8 @@ from prunetool.sources.checks import SAFETENSORS_INDEX
 from prunetool.sources.weights import find_decoder_prefix, has_safetensors, read_weights
 from prunetool.checkpoint.surgery.tensors import renamer, source_tensors, write_weights
 
-__all__ = ["patched_tensor_names", "prune_config", "write_pruned_checkpoint", "write_replaced_checkpoint",
-           "write_nemotron_checkpoint", "write_sublayer_checkpoint"]
+__all__ = ["patched_tensor_names", "prune_config", "write_cut_checkpoint", "write_pruned_checkpoint",
+           "write_replaced_checkpoint", "write_nemotron_checkpoint", "write_sublayer_checkpoint"]
 
 
 def patched_tensor_names(source_dir: Path, relative: list[str]) -> dict[str, tuple]:
@@ -132,8 +132,8 @@ def write_sublayer_checkpoint(source_dir: Path, plan: PrunePlan, output: Path, *
     if plan.num_layers != num_layers:
         raise OptionError(f"the plan is for a {plan.num_layers}-layer model but {source_dir} has {num_layers} "
                           "decoder layers; make the plan from this model")
-    return write_nemotron_checkpoint(source_dir, output, removed_attention=plan.removed if plan.unit == "attention"
-                                     else (), removed_mlp=plan.removed if plan.unit == "mlp" else (), **options)
+    return write_nemotron_checkpoint(source_dir, output, removed_attention=plan.cut.attention,
+                                     removed_mlp=plan.cut.mlp, **options)
 
 
 def write_nemotron_checkpoint(source_dir: Path, output: Path, *, removed_attention=(), removed_mlp=(),
@@ -160,6 +160,49 @@ def write_nemotron_checkpoint(source_dir: Path, output: Path, *, removed_attenti
         prefix = find_decoder_prefix(weights.names, num_layers)
         with staged_folder(output, force) as staging:
             write_weights(weights, sublayer_renamer(prefix, removed_attention, removed_mlp), staging, on_shard)
+            copy_side_files(source_dir, staging)
+            (staging / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
+            write_code_files(staging)
+            write_extra_files(staging, extra_files)
+            if before_publish is not None:
+                before_publish(staging)
+    return output
+
+
+def write_cut_checkpoint(source_dir: Path, cut, output: Path, *, force: bool = False,
+                         extra_files: dict[str, str] | None = None, on_shard=None, before_publish=None) -> Path:
+    """Write `source_dir` under a Cut (prunetool.cut): whole blocks only as the source's own format (as
+    write_pruned_checkpoint), anything else as nemotron-nas with the removed blocks gone and the other
+    removals as no-op sublayers, in one pass over the shards. Refusals (format, engine rules) come first."""
+    from prunetool.checkpoint.nemotron_nas.convert import check_expressible, nemotron_config, write_code_files
+
+    source_dir, output = Path(source_dir).expanduser(), Path(output).expanduser().absolute()
+    _, num_layers, _ = load_config(source_dir)
+    if cut.num_layers != num_layers:
+        raise OptionError(f"the cut is for a {cut.num_layers}-layer model but {source_dir} has {num_layers} decoder "
+                          "layers; make the cut from this model")
+    if cut.blocks_only:
+        plan = PrunePlan(base_model=str(source_dir), num_layers=num_layers, removed=cut.blocks, criterion="manual")
+        return write_pruned_checkpoint(source_dir, plan, output, force=force, extra_files=extra_files,
+                                       on_shard=on_shard, before_publish=before_publish)
+    check_output(source_dir, output, force)
+    check_extra_names(extra_files, {"config.json", SAFETENSORS_INDEX})
+    config, _, derived = load_config(source_dir)
+    check_expressible(config)
+    cut.check_engines()
+    rest = cut.after_blocks()
+    new_config = nemotron_config(prune_config(config, list(cut.kept), derived), rest.attention, rest.mlp)
+    with safetensors_folder(source_dir, output) as weights_dir:
+        weights = read_weights(weights_dir)
+        prefix = find_decoder_prefix(weights.names, num_layers)
+        renumber, drop = renamer(prefix, cut.index_map), sublayer_renamer(prefix, rest.attention, rest.mlp)
+
+        def rename(name: str) -> str | None:
+            new = renumber(name)
+            return None if new is None else drop(new)
+
+        with staged_folder(output, force) as staging:
+            write_weights(weights, rename, staging, on_shard)
             copy_side_files(source_dir, staging)
             (staging / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
             write_code_files(staging)
