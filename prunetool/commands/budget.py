@@ -8,7 +8,6 @@ targets); search (select.budget_search); then, unless --dry-run, measure held-ou
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -121,8 +120,7 @@ def run_budget(request: PruneRequest, console: Console) -> dict:
     sizes = [t for t in targets if not t.is_speed]  # exact costs: a size no cut reaches is refused before loading
     if sizes and solve(meter, sizes, lambda layer, state: 1.0, candidates) is None:
         raise OptionError(unreachable(meter, sizes, candidates, {}))
-    model, calibration, setting = load_for_prune(dataclasses.replace(request, unit="block", verify=True), start,
-                                                 source, False, True, console)
+    model, calibration, setting = load_for_prune(request, start, source, False, True, console)
     verifying = request.verify and not request.dry_run
     timings, measure, workloads = speed_meter(model, targets, source, console)
     meter.timings.update(timings)
