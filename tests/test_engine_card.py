@@ -1,7 +1,6 @@
 """The model card's "Serve" lines run as written: the vLLM snippet in vLLM, and the llama.cpp lines (export, then
 llama-completion), on a block folder and a nemotron-nas folder that `prunetool prune` wrote."""
 
-import json
 import re
 import shlex
 import subprocess

@@ -8,7 +8,6 @@ targets); search (select.budget_search); then, unless --dry-run, measure held-ou
 
 from __future__ import annotations
 
-import functools
 import time
 from pathlib import Path
 

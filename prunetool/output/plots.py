@@ -12,6 +12,7 @@ import os
 import secrets
 from pathlib import Path
 
+from prunetool.cut import spans as layers_text  # [3, 4, 5, 9] -> "3-5, 9"
 from prunetool.errors import MissingExtraError, OptionError
 
 MISSING = "plotting needs matplotlib: pip install 'prunetool[plot]'"
@@ -73,17 +74,6 @@ def save_figure(figure, path) -> Path:
 def _number(value) -> float:
     """JSON value -> float; null (a value that was not measured) becomes NaN, a gap in the curve."""
     return math.nan if value is None else float(value)
-
-
-def layers_text(layers) -> str:
-    """[3, 4, 5, 9] -> '3-5, 9': removed sets as people read them."""
-    runs: list[list[int]] = []
-    for layer in sorted(layers):
-        if runs and layer == runs[-1][-1] + 1:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def score_series(scores: dict) -> dict[str, list[float]]:

@@ -36,7 +36,7 @@ from prunetool.model.architecture import TESTED
 from prunetool.model.perplexity import perplexity_from_mean
 from prunetool.model.runner import ModelRunner, as_runner
 from prunetool.model.sublayers import check_sublayer_layout, check_unit, sublayer_skipped
-from prunetool.cut import ATTENTION, BLOCK, KEPT, MLP, Cut
+from prunetool.cut import BLOCK, KEPT, Cut
 
 SELF_CHECK_RTOL = 1e-5
 

@@ -147,7 +147,7 @@ def write_nemotron_checkpoint(source_dir: Path, output: Path, *, removed_attenti
     (trust_remote_code); vLLM has the architecture built in. Kept tensors keep their bytes; publishing is
     atomic as for a block prune.
     """
-    from prunetool.checkpoint.nemotron_nas.convert import check_expressible, nemotron_config, write_code_files
+    from prunetool.checkpoint.nemotron_nas.convert import check_expressible, nemotron_config
 
     source_dir, output = Path(source_dir).expanduser(), Path(output).expanduser().absolute()
     check_output(source_dir, output, force)
@@ -155,11 +155,22 @@ def write_nemotron_checkpoint(source_dir: Path, output: Path, *, removed_attenti
     config, num_layers, _ = load_config(source_dir)
     check_expressible(config)
     new_config = nemotron_config(config, removed_attention, removed_mlp)
+    return _write_nemotron(source_dir, output, new_config, num_layers,
+                           lambda prefix: sublayer_renamer(prefix, removed_attention, removed_mlp), force=force,
+                           extra_files=extra_files, on_shard=on_shard, before_publish=before_publish)
+
+
+def _write_nemotron(source_dir: Path, output: Path, new_config: dict, num_layers: int, rename_for, *, force: bool,
+                    extra_files, on_shard, before_publish) -> Path:
+    """The write both nemotron-nas writers share: tensors renamed by `rename_for(decoder prefix)`, side files, the
+    new config.json and our code, published atomically after `before_publish`."""
+    from prunetool.checkpoint.nemotron_nas.convert import write_code_files
+
     with safetensors_folder(source_dir, output) as weights_dir:
         weights = read_weights(weights_dir)
         prefix = find_decoder_prefix(weights.names, num_layers)
         with staged_folder(output, force) as staging:
-            write_weights(weights, sublayer_renamer(prefix, removed_attention, removed_mlp), staging, on_shard)
+            write_weights(weights, rename_for(prefix), staging, on_shard)
             copy_side_files(source_dir, staging)
             (staging / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
             write_code_files(staging)
@@ -174,10 +185,10 @@ def write_cut_checkpoint(source_dir: Path, cut, output: Path, *, force: bool = F
     """Write `source_dir` under a Cut (prunetool.cut): whole blocks only as the source's own format (as
     write_pruned_checkpoint), anything else as nemotron-nas with the removed blocks gone and the other
     removals as no-op sublayers, in one pass over the shards. Refusals (format, engine rules) come first."""
-    from prunetool.checkpoint.nemotron_nas.convert import check_expressible, nemotron_config, write_code_files
+    from prunetool.checkpoint.nemotron_nas.convert import check_expressible, nemotron_config
 
     source_dir, output = Path(source_dir).expanduser(), Path(output).expanduser().absolute()
-    _, num_layers, _ = load_config(source_dir)
+    config, num_layers, derived = load_config(source_dir)
     if cut.num_layers != num_layers:
         raise OptionError(f"the cut is for a {cut.num_layers}-layer model but {source_dir} has {num_layers} decoder "
                           "layers; make the cut from this model")
@@ -187,26 +198,14 @@ def write_cut_checkpoint(source_dir: Path, cut, output: Path, *, force: bool = F
                                        on_shard=on_shard, before_publish=before_publish)
     check_output(source_dir, output, force)
     check_extra_names(extra_files, {"config.json", SAFETENSORS_INDEX})
-    config, _, derived = load_config(source_dir)
     check_expressible(config)
     cut.check_engines()
     rest = cut.after_blocks()
     new_config = nemotron_config(prune_config(config, list(cut.kept), derived), rest.attention, rest.mlp)
-    with safetensors_folder(source_dir, output) as weights_dir:
-        weights = read_weights(weights_dir)
-        prefix = find_decoder_prefix(weights.names, num_layers)
+
+    def rename_for(prefix: str):
         renumber, drop = renamer(prefix, cut.index_map), sublayer_renamer(prefix, rest.attention, rest.mlp)
+        return lambda name: None if (new := renumber(name)) is None else drop(new)
 
-        def rename(name: str) -> str | None:
-            new = renumber(name)
-            return None if new is None else drop(new)
-
-        with staged_folder(output, force) as staging:
-            write_weights(weights, rename, staging, on_shard)
-            copy_side_files(source_dir, staging)
-            (staging / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
-            write_code_files(staging)
-            write_extra_files(staging, extra_files)
-            if before_publish is not None:
-                before_publish(staging)
-    return output
+    return _write_nemotron(source_dir, output, new_config, num_layers, rename_for, force=force,
+                           extra_files=extra_files, on_shard=on_shard, before_publish=before_publish)
